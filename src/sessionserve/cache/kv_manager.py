@@ -1,0 +1,109 @@
+"""Per-request block tables on top of the block pool, with prefix-cache reuse.
+
+The manager knows requests only by id and token lists passed in; it has no
+idea what a sequence or a session is. Callers follow the ask/act pattern:
+`find_cached_prefix` (read-only), then `allocate` (all or nothing), then
+`commit_full_blocks` once the step computed the tokens, and `free` at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from sessionserve.cache.block_hash import extend_block_hashes
+from sessionserve.cache.block_pool import BlockPool
+
+
+class PrefixHit(NamedTuple):
+    blocks: list[int]  # cached blocks covering the first num_tokens tokens
+    num_tokens: int
+
+
+class KVCacheManager:
+    """Block tables for live requests. All methods are O(blocks touched)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}
+        self._num_committed: dict[str, int] = {}  # blocks of the request already in the prefix index
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], salt: bytes = b"") -> PrefixHit:
+        """Longest run of cached full blocks at the start of `token_ids`. Changes no counts.
+
+        At least one token is always left to compute, since the step that
+        computes it produces the logits for the next token.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit([], 0)
+        hashes = extend_block_hashes(self._hashes.setdefault(request_id, []), token_ids, self.block_size, salt)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        blocks: list[int] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def allocate(self, request_id: str, num_total_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
+        """Grow the request's table to hold `num_total_tokens`; adopt `hit` blocks first if given.
+
+        Returns the new block ids, or None (and changes nothing) if the pool
+        cannot supply them.
+        """
+        table = self.block_tables.get(request_id)
+        adopt = hit.blocks if hit is not None and table is None else []
+        have = len(table) if table is not None else len(adopt)
+        num_new = self.blocks_needed(num_total_tokens) - have
+        # Adopted blocks nobody references yet are counted as free: touching them uses them up.
+        num_revived = sum(1 for b in adopt if self.pool.ref_counts[b] == 0)
+        if num_new + num_revived > self.pool.num_free_blocks:
+            return None
+        if table is None:
+            self.pool.touch(adopt)
+            table = self.block_tables[request_id] = list(adopt)
+            self._num_committed[request_id] = len(adopt)
+        new_blocks = self.pool.allocate(num_new) if num_new > 0 else []
+        table.extend(new_blocks)
+        return new_blocks
+
+    def commit_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                           salt: bytes = b"") -> None:
+        """Register the request's newly full, computed blocks in the prefix index."""
+        table = self.block_tables.get(request_id)
+        if not self.enable_prefix_caching or table is None:
+            return
+        hashes = extend_block_hashes(self._hashes.setdefault(request_id, []), token_ids, self.block_size,
+                                     salt, limit=num_computed_tokens)
+        start = self._num_committed.get(request_id, 0)
+        end = min(len(hashes), len(table))
+        for i in range(start, end):
+            self.pool.cache_block(table[i], hashes[i])
+        self._num_committed[request_id] = max(start, end)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks (cached ones stay reusable) and forget it."""
+        table = self.block_tables.pop(request_id, None)
+        if table:
+            self.pool.free(table)
+        self._hashes.pop(request_id, None)
+        self._num_committed.pop(request_id, None)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        counts = [0] * self.pool.num_blocks
+        for table in self.block_tables.values():
+            for block in table:
+                counts[block] += 1
+        assert counts == self.pool.ref_counts, "block tables and reference counts disagree"

@@ -1,0 +1,150 @@
+"""Every knob of sessionserve in one place: frozen dataclasses per layer.
+
+Components receive the sub-config (or the few values) they use, never the whole
+`Config`. Environment variables are read only in `Config.from_env`, never at
+import time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache on the device tier."""
+
+    # Tokens per KV block. 16 matches vLLM's default: small enough that a
+    # partly filled last block wastes little, large enough that block tables
+    # stay short and prefix hashing is cheap.
+    block_size: int = 16
+    # Device-tier KV budget in bytes. On CPU this is ordinary RAM set aside for
+    # attention; 1 GiB holds ~20k tokens of the `small` model in fp32.
+    kv_cache_bytes: int = 1 * GiB
+    # Explicit block count; overrides kv_cache_bytes when set (tests use it to
+    # make memory pressure deterministic).
+    num_blocks: int | None = None
+    # Share full blocks between requests by a chained hash of their tokens.
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits for one engine step."""
+
+    # Most sequences in one step. Bounds the decode batch (and its memory for
+    # logits) and the Python work per step.
+    max_num_seqs: int = 64
+    # Most tokens (prefill chunks + decode tokens) in one step. Long prompts are
+    # split into chunks of at most this many tokens, so decode keeps flowing.
+    max_num_batched_tokens: int = 2048
+    # Longest prompt + output a sequence may reach, in tokens. None: the model's
+    # max_position_embeddings.
+    max_model_len: int | None = None
+    # Split prompts longer than the remaining step budget across steps.
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how to run them."""
+
+    # A Hugging Face model folder (config.json + *.safetensors + tokenizer).
+    # None: the embedded default, created on first use.
+    model: str | None = None
+    # "auto": float32 on CPU (no fast bf16 on most CPUs), bfloat16 on CUDA.
+    dtype: str = "auto"
+    # "auto": CUDA when available, else CPU.
+    device: str = "auto"
+    # Compile the forward with torch.compile (inductor). Costs a warm-up at
+    # start; removes most per-op Python overhead in decode.
+    compile: bool = True
+    # Intra-op threads for torch on CPU. None: leave torch's default.
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole engine configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> Config:
+        """Build a Config from flat keyword arguments (`block_size=16, compile=False`).
+
+        Each name must belong to exactly one sub-config; unknown names raise.
+        """
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owners = {
+            f.name: part
+            for part, klass in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+            for f in fields(klass)
+        }
+        for name, value in kwargs.items():
+            if name not in owners:
+                raise TypeError(f"unknown engine option {name!r}")
+            parts[owners[name]][name] = value
+        return cls(
+            model=ModelConfig(**parts["model"]),
+            cache=CacheConfig(**parts["cache"]),
+            scheduler=SchedulerConfig(**parts["scheduler"]),
+        )
+
+    @classmethod
+    def from_env(cls, base: Config | None = None, environ: dict[str, str] | None = None) -> Config:
+        """Overlay SESSIONSERVE_* variables (e.g. SESSIONSERVE_KV_CACHE_BYTES) on `base`."""
+        env = os.environ if environ is None else environ
+        config = base or cls()
+        subs = {"model": config.model, "cache": config.cache, "scheduler": config.scheduler}
+        for part, sub in list(subs.items()):
+            updates: dict[str, Any] = {}
+            for f in fields(sub):
+                raw = env.get(f"SESSIONSERVE_{f.name.upper()}")
+                if raw is not None:
+                    updates[f.name] = _parse(raw, getattr(sub, f.name))
+            if updates:
+                subs[part] = replace(sub, **updates)
+        return cls(**subs)
+
+
+def _parse(raw: str, current: Any) -> Any:
+    if isinstance(current, bool):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(current, int):
+        return int(raw)
+    if isinstance(current, float):
+        return float(raw)
+    if current is None and raw.strip().lstrip("-").isdigit():
+        return int(raw)
+    return raw

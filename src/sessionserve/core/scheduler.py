@@ -1,0 +1,166 @@
+"""Continuous-batching scheduler: which sequences run this step, and how many tokens each.
+
+Pure: no torch, no clock, no I/O. Given the same queues and pool it returns
+the same plan. Policy, per step, under a token budget:
+  1. running sequences first, in admission order (decodes cost one token;
+     a sequence mid-prefill gets its next chunk);
+  2. if a running sequence needs a block and none is free, the most recently
+     admitted running sequence is preempted by recompute: its blocks are
+     freed, it goes back to the head of the waiting queue with all its tokens
+     (prompt and output so far) and is never dropped;
+  3. then waiting sequences in arrival order, each reusing its longest cached
+     prefix, while the budget, `max_num_seqs` and free blocks allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from sessionserve.cache.kv_manager import KVCacheManager
+from sessionserve.config import SchedulerConfig
+from sessionserve.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Compute tokens [start, start + num_tokens) of `seq` this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the sequence's last token, so a next token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan. Chunks are ordered: running sequences, then newly admitted ones."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    num_batched_tokens: int
+    preempted: tuple[str, ...] = ()
+    # request id -> block ids, live view of the KV manager's tables (read-only for the executor).
+    block_tables: Mapping[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Owns the waiting and running queues; the KV manager owns the blocks."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if self.kv.blocks_needed(seq.num_tokens + 1) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"request {seq.request_id} needs {seq.num_tokens + 1} tokens of KV, more than the whole cache "
+                f"({self.kv.pool.num_blocks * self.kv.block_size} tokens)")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        scheduled_ids: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            else:
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                scheduled_ids.add(id(seq))
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq itself was preempted: nothing more fits
+
+        # NOTE: no admissions in a step that preempted: memory is short, and
+        # admitting now would only preempt again next step.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self.kv.find_cached_prefix(seq.request_id, seq.token_ids, seq.salt)
+            num_new = seq.num_tokens - hit.num_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate(seq.request_id, hit.num_tokens + num_new, hit) is None:
+                break
+            self.waiting.popleft()
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = hit.num_tokens
+                self.kv.pool.record_query(seq.num_prompt_tokens, hit.num_tokens)
+            seq.num_computed_tokens = hit.num_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, hit.num_tokens, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(tuple(chunks), self.config.max_num_batched_tokens - budget, tuple(preempted),
+                               self.kv.block_tables)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Apply a finished step: advance progress, append sampled tokens, stop. Returns finished sequences.
+
+        `sampled` maps request id -> token for every chunk that `samples`.
+        """
+        finished: list[Sequence] = []
+        for chunk in output.chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            token = sampled.get(seq.request_id)
+            if token is not None:
+                seq.token_ids.append(token)
+                status = seq.check_stop(token)
+                if status is not None:
+                    self.finish(seq, status)
+                    finished.append(seq)
+                    continue
+            self.kv.commit_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.salt)
+        return finished
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Mark `seq` finished with `status` and free its blocks. Idempotent."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = status
+        self.kv.commit_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.salt)
+        self.kv.free(seq.request_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.commit_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.salt)
+        self.kv.free(seq.request_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,85 @@
+"""A request's state as the engine sees it: tokens, progress, status."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from sessionserve.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """One generation request. Identity object: kept in lists and sets by identity.
+
+    Invariants: 0 <= num_computed_tokens <= len(token_ids); the first
+    num_prompt_tokens of token_ids are the prompt; a RUNNING sequence holds
+    blocks for at least num_computed_tokens tokens.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    arrival_s: float
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 1 << 30
+    salt: bytes = b""
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at first admission.
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    stop_reason: int | str | None = None
+    # Per generated token: {token_id: logprob} for the top-n, plus the chosen token.
+    logprobs: list[dict[int, float]] | None = field(default=None)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def check_stop(self, token_id: int) -> SequenceStatus | None:
+        """The finished status that appending `token_id` leads to, or None to go on."""
+        params = self.sampling_params
+        num_out = self.num_output_tokens
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                self.stop_reason = None
+                return SequenceStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                self.stop_reason = token_id
+                return SequenceStatus.FINISHED_STOPPED
+        if num_out >= params.max_tokens or len(self.token_ids) >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,156 @@
+"""Text-level engine: tokenization, stop strings and streaming outputs around `EngineCore`.
+
+`LLMEngine` is the step-level API the server drives (add_request / step /
+abort); `sessionserve.llm.LLM` is the offline convenience on top of it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sessionserve.cache.kv_manager import KVCacheManager
+from sessionserve.config import Config
+from sessionserve.core.engine import EngineCore
+from sessionserve.core.sampling_params import SamplingParams
+from sessionserve.core.sequence import Sequence, SequenceStatus
+from sessionserve.model.runner import ModelRunner
+from sessionserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative state of one request, plus what the last step added (`delta_*`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    arrival_s: float = 0.0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass(slots=True)
+class _Tracked:
+    seq: Sequence
+    prompt: str | None
+    detok: IncrementalDetokenizer | None  # None: decode once at the end (no stop strings, no streaming)
+
+
+class LLMEngine:
+    """Owns the tokenizer and an `EngineCore` wired to a `ModelRunner`."""
+
+    def __init__(self, config: Config, model_dir: str | Path, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.model_dir = Path(model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.runner = ModelRunner(self.model_dir, config.model, config.cache, config.scheduler.max_model_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        eos = self.runner.arch.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id else ())
+        self.core = EngineCore(config.scheduler, self.kv, self.runner, clock, tuple(eos), self.runner.max_model_len)
+        self._tracked: dict[str, _Tracked] = {}
+        self._next_id = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return f"req-{self._next_id}"
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    stream: bool = False, salt: bytes = b"") -> str:
+        """Queue a prompt (text or token ids). Returns the request id. Raises ValueError on bad input."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            if any((not isinstance(t, int)) or t < 0 or t >= self.runner.arch.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.runner.arch.vocab_size})")
+        rid = request_id or self.new_request_id()
+        max_total = len(ids) + params.max_tokens
+        if max_total > self.max_model_len and len(ids) < self.max_model_len:
+            pass  # output is cut at the context length (finish_reason "length"), as vLLM does
+        seq = self.core.add_request(rid, ids, params, salt)
+        detok = None
+        if stream or params.stop:
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self._tracked[rid] = _Tracked(seq, text, detok)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks. False if unknown or finished."""
+        self._tracked.pop(request_id, None)
+        return self.core.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return an output for each request that advanced or finished."""
+        outputs: list[RequestOutput] = []
+        for step_out in self.core.step():
+            seq = step_out.seq
+            tracked = self._tracked.get(seq.request_id)
+            if tracked is None:
+                continue
+            delta = ""
+            if tracked.detok is not None:
+                delta = tracked.detok.add(step_out.new_token_ids, finished=seq.is_finished)
+                if tracked.detok.stopped_by is not None and not seq.is_finished:
+                    seq.stop_reason = tracked.detok.stopped_by
+                    self.core.finish(seq.request_id, SequenceStatus.FINISHED_STOPPED)
+                elif tracked.detok.stopped_by is not None:
+                    seq.stop_reason = tracked.detok.stopped_by
+            outputs.append(self._output(tracked, delta, step_out.new_token_ids))
+            if seq.is_finished:
+                del self._tracked[seq.request_id]
+        return outputs
+
+    def _output(self, tracked: _Tracked, delta: str, new_ids: list[int]) -> RequestOutput:
+        seq = tracked.seq
+        finished = seq.is_finished
+        if tracked.detok is not None:
+            text = tracked.detok.text
+        else:
+            text = self.tokenizer.decode(seq.output_token_ids) if finished else ""
+            delta = text
+        reason = seq.status.value if finished else None
+        return RequestOutput(
+            request_id=seq.request_id, prompt=tracked.prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[CompletionOutput(0, text, seq.output_token_ids, reason, seq.stop_reason, seq.logprobs)],
+            finished=finished, num_cached_tokens=seq.num_cached_tokens or 0, delta_text=delta,
+            delta_token_ids=list(new_ids), arrival_s=seq.arrival_s, first_token_s=seq.first_token_s,
+            finished_s=seq.finished_s)

@@ -1,0 +1,173 @@
+"""The real executor: turns a scheduler plan into one forward pass and samples next tokens."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from sessionserve.config import CacheConfig, ModelConfig
+from sessionserve.core.executor import ExecutorOutput
+from sessionserve.core.scheduler import SchedulerOutput
+from sessionserve.core.sequence import Sequence
+from sessionserve.model import paged_kernel
+from sessionserve.model.attention import AttentionMetadata
+from sessionserve.model.decoder import DecoderModel
+from sessionserve.model.hf_config import ModelArch, load_arch
+from sessionserve.model.loader import load_weights
+from sessionserve.model.sampler import SampleRow, sample, top_logprobs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    """Owns the weights and the device-tier KV tensors; implements `Executor`."""
+
+    def __init__(self, model_dir: str | Path, model_config: ModelConfig, cache_config: CacheConfig,
+                 max_model_len: int | None = None) -> None:
+        self.arch: ModelArch = load_arch(model_dir)
+        self.device = resolve_device(model_config.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        if model_config.num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(model_config.num_threads)
+        self.max_model_len = min(max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        self.block_size = cache_config.block_size
+        with torch.device(self.device):
+            model = DecoderModel(self.arch, self.max_model_len)
+        load_weights(model, model_dir)
+        self.model = model.to(self.dtype).eval()
+        self.model.rope.to(torch.float32)  # cos/sin tables stay fp32, as in HF
+
+        dtype_bytes = torch.finfo(self.dtype).bits // 8
+        self.block_bytes = self.arch.kv_bytes_per_token(dtype_bytes) * self.block_size
+        self.num_blocks = cache_config.num_blocks or max(1, cache_config.kv_cache_bytes // self.block_bytes)
+        shape = (self.num_blocks, self.arch.num_kv_heads, self.block_size, self.arch.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.arch.num_layers)]
+        self.use_kernel = (self.device.type == "cpu" and self.dtype == torch.float32
+                           and self.arch.num_heads // self.arch.num_kv_heads <= 16
+                           and self.arch.head_dim <= 256 and paged_kernel.available())
+        self._generators: dict[str, tuple[Sequence, torch.Generator]] = {}
+        self._default_generator = torch.Generator(device=self.device)
+        self._default_generator.manual_seed(model_config.seed)
+        logger.info("loaded %s (%.1fM params) on %s/%s, %d KV blocks of %d tokens, paged kernel %s",
+                    self.arch.architecture, self.arch.num_params() / 1e6, self.device, self.dtype,
+                    self.num_blocks, self.block_size, "on" if self.use_kernel else "off")
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
+        input_ids, positions, meta, logits_rows, sampled_seqs = self.prepare_batch(plan)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_rows)  # (S, V)
+        rows = [self._sample_row(seq) for seq in sampled_seqs]
+        tokens = sample(logits, rows).tolist()
+        sampled = {seq.request_id: tok for seq, tok in zip(sampled_seqs, tokens)}
+        logprobs: dict[str, dict[int, float]] = {}
+        want = [i for i, seq in enumerate(sampled_seqs) if seq.sampling_params.logprobs is not None]
+        if want:
+            num = max(sampled_seqs[i].sampling_params.logprobs or 0 for i in want)
+            idx = torch.tensor(want, device=logits.device)
+            chosen = torch.tensor([tokens[i] for i in want])
+            for i, row in zip(want, top_logprobs(logits[idx], chosen, num)):
+                n = sampled_seqs[i].sampling_params.logprobs or 0
+                keep = dict(list(row.items())[: n + 1]) if n < num else row
+                logprobs[sampled_seqs[i].request_id] = keep
+        return ExecutorOutput(sampled, logprobs)
+
+    def prepare_batch(self, plan: SchedulerOutput) -> tuple[
+            torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
+        """Flatten the plan's chunks into model inputs and attention metadata."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_block: list[int] = []
+        slot_offset: list[int] = []
+        fresh: dict[int, list[int]] = {}
+        paged_rows: list[int] = []
+        paged_seq: list[int] = []
+        paged_pos: list[int] = []
+        paged_tables: list[list[int]] = []
+        paged_ctx: list[int] = []
+        paged_spans: list[tuple[int, int]] = []
+        logits_rows: list[int] = []
+        sampled_seqs: list[Sequence] = []
+        for chunk in plan.chunks:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            table = plan.block_tables[seq.request_id]
+            row0 = len(input_ids)
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            pos = range(start, end)
+            positions.extend(pos)
+            slot_block.extend(table[p // bs] for p in pos)
+            slot_offset.extend(p % bs for p in pos)
+            if start == 0:
+                fresh.setdefault(n, []).append(row0)
+            else:
+                paged_spans.append((len(paged_rows), n))
+                paged_rows.extend(range(row0, row0 + n))
+                paged_seq.extend([len(paged_tables)] * n)
+                paged_pos.extend(pos)
+                paged_tables.append(table[: -(-end // bs)])
+                paged_ctx.append(end)
+            if chunk.samples:
+                logits_rows.append(row0 + n - 1)
+                sampled_seqs.append(seq)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_block=torch.tensor(slot_block, dtype=torch.long, device=dev),
+            slot_offset=torch.tensor(slot_offset, dtype=torch.long, device=dev),
+            fresh_groups=[(starts, length) for length, starts in fresh.items()],
+            paged_rows=torch.tensor(paged_rows, dtype=torch.long, device=dev) if paged_rows else None,
+            paged_seq_idx=torch.tensor(paged_seq, dtype=torch.int32, device=dev) if paged_rows else None,
+            paged_pos=torch.tensor(paged_pos, dtype=torch.int32, device=dev) if paged_rows else None,
+            paged_block_tables=_pad_tables(paged_tables, dev) if paged_rows else None,
+            paged_ctx_lens=paged_ctx,
+            paged_q_spans=paged_spans,
+            use_kernel=self.use_kernel,
+        )
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                torch.tensor(logits_rows, dtype=torch.long, device=dev), sampled_seqs)
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        params = seq.sampling_params
+        banned: tuple[int, ...] = ()
+        if seq.num_output_tokens < params.min_tokens:
+            banned = tuple(set(seq.eos_token_ids) | set(params.stop_token_ids))
+        if params.is_greedy:
+            return SampleRow(params, None, banned)
+        if params.seed is None:
+            return SampleRow(params, self._default_generator, banned)
+        entry = self._generators.get(seq.request_id)
+        if entry is None or entry[0] is not seq:
+            self._drop_finished_generators()
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+            entry = self._generators[seq.request_id] = (seq, gen)
+        return SampleRow(params, entry[1], banned)
+
+    def _drop_finished_generators(self) -> None:
+        for rid in [rid for rid, (s, _) in self._generators.items() if s.is_finished]:
+            del self._generators[rid]
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
