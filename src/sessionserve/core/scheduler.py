@@ -30,11 +30,8 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when the chunk reaches the sequence's last token, so a next token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    # The chunk reaches the sequence's last token, so a next token is sampled.
+    samples: bool
 
 
 @dataclass(frozen=True)
@@ -91,7 +88,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new,
+                                             seq.num_computed_tokens + num_new == seq.num_tokens))
                 scheduled_ids.add(id(seq))
                 budget -= num_new
                 i += 1
@@ -116,7 +114,7 @@ class Scheduler:
             seq.num_computed_tokens = hit.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, hit.num_tokens, num_new))
+            chunks.append(ScheduledChunk(seq, hit.num_tokens, num_new, hit.num_tokens + num_new == seq.num_tokens))
             budget -= num_new
 
         return SchedulerOutput(tuple(chunks), self.config.max_num_batched_tokens - budget, tuple(preempted),

@@ -1,0 +1,107 @@
+"""Command line: `sessionserve make-model | generate | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="Hugging Face model folder (default: the embedded model)")
+    parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="device-tier KV budget in bytes")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+
+
+def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - imports torch lazily
+    from sessionserve import LLM
+
+    return LLM(model=args.model, kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+               dtype=args.dtype, device=args.device)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from sessionserve import SamplingParams
+
+    llm = _make_llm(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if args.chat:
+        for prompt in prompts:
+            print(llm.chat([{"role": "user", "content": prompt}], params).text)
+        return
+    for out in llm.generate(prompts, params):
+        print(out.text)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """Batched generation on the embedded default model, with the figures a user checks first."""
+    from sessionserve import SamplingParams
+
+    print("loading the model (the first run builds the embedded default model and the attention kernel)...")
+    t0 = time.perf_counter()
+    llm = _make_llm(args)
+    eng = llm.engine
+    arch = eng.runner.arch
+    print(f"model: {eng.model_dir} ({arch.architecture}, {arch.num_params() / 1e6:.0f}M params, random weights)")
+    print(f"device: {eng.runner.device}, dtype: {eng.runner.dtype}, KV blocks: {eng.runner.num_blocks} "
+          f"x {eng.config.cache.block_size} tokens, loaded in {time.perf_counter() - t0:.1f}s")
+    system = "You are a coding agent. Read the task, plan, call tools, and report."
+    tasks = [f"Task {i}: find the function that parses config files and explain it." for i in range(args.num_prompts)]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                                  {"role": "user", "content": t}]) for t in tasks]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    num_out = sum(len(o.token_ids) for o in outs)
+    num_in = sum(len(o.prompt_token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    print(f"\n{len(outs)} requests, {num_in} prompt tokens ({cached} from the prefix cache), "
+          f"{num_out} generated in {dt:.2f}s: {num_out / dt:.1f} tokens/s")
+    print(f"first output: {outs[0].text[:160]!r}")
+    eng.kv.check_integrity()
+    print(f"KV blocks in use after the batch: {eng.kv.pool.num_blocks - eng.kv.num_free_blocks} "
+          f"(cached for reuse: {eng.kv.pool.num_cached_blocks})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="sessionserve", description="An LLM inference server built for AI agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("make-model", help="write the embedded default model (an HF folder)", add_help=False)
+
+    gen = sub.add_parser("generate", help="generate text for prompts (arguments or stdin lines)")
+    _engine_args(gen)
+    gen.add_argument("prompt", nargs="*")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="run a batched generation on the embedded default model")
+    _engine_args(demo)
+    demo.add_argument("--num-prompts", type=int, default=16)
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.set_defaults(func=cmd_demo)
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "make-model":
+        from sessionserve.model.make_model import main as make_model_main
+
+        make_model_main(argv[1:])
+        return
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
