@@ -92,12 +92,41 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SessionConfig:
+    """Sessions and the KV tiers below the device."""
+
+    # What happens to a parked session's KV: discard | keep | ttl | least-waste | predictive.
+    residency_policy: str = "predictive"
+    # Host-tier budget in bytes (CPU memory; pinned on CUDA). 0 disables the tier.
+    host_kv_bytes: int = 2 * GiB
+    # Store host-tier KV as int8 with per-block scales: ~4x the sessions per byte,
+    # at a small logit error (measured in tests/engine/test_sessions.py).
+    host_kv_int8: bool = False
+    # Disk-tier budget in bytes. 0 disables the tier.
+    disk_kv_bytes: int = 0
+    # Spool folder for the disk tier. None: a fresh folder under the system temp dir.
+    spool_dir: str | None = None
+    # Close sessions idle (parked, no turn) longer than this, freeing all their KV.
+    session_idle_ttl_s: float = 600.0
+    max_sessions: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.host_kv_bytes < 0 or self.disk_kv_bytes < 0:
+            raise ValueError("tier budgets must be >= 0")
+        if self.session_idle_ttl_s <= 0:
+            raise ValueError("session_idle_ttl_s must be positive")
+        if self.max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole engine configuration."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    session: SessionConfig = field(default_factory=SessionConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> Config:
@@ -105,10 +134,11 @@ class Config:
 
         Each name must belong to exactly one sub-config; unknown names raise.
         """
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "session": {}}
         owners = {
             f.name: part
-            for part, klass in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+            for part, klass in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
+                                ("session", SessionConfig))
             for f in fields(klass)
         }
         for name, value in kwargs.items():
@@ -119,6 +149,7 @@ class Config:
             model=ModelConfig(**parts["model"]),
             cache=CacheConfig(**parts["cache"]),
             scheduler=SchedulerConfig(**parts["scheduler"]),
+            session=SessionConfig(**parts["session"]),
         )
 
     @classmethod
@@ -126,7 +157,8 @@ class Config:
         """Overlay SESSIONSERVE_* variables (e.g. SESSIONSERVE_KV_CACHE_BYTES) on `base`."""
         env = os.environ if environ is None else environ
         config = base or cls()
-        subs = {"model": config.model, "cache": config.cache, "scheduler": config.scheduler}
+        subs = {"model": config.model, "cache": config.cache, "scheduler": config.scheduler,
+                "session": config.session}
         for part, sub in list(subs.items()):
             updates: dict[str, Any] = {}
             for f in fields(sub):

@@ -6,14 +6,22 @@ abort); `sessionserve.llm.LLM` is the offline convenience on top of it.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sessionserve.cache.disk_tier import DiskTier
+from sessionserve.cache.host_tier import HostTier
+from sessionserve.cache.kv_layout import KVLayout
 from sessionserve.cache.kv_manager import KVCacheManager
+from sessionserve.cache.mover import ThreadMover
 from sessionserve.config import Config
 from sessionserve.core.engine import EngineCore
+from sessionserve.core.residency import MoveCosts, make_policy
+from sessionserve.core.session import Session, Tier
+from sessionserve.core.session_manager import SessionManager
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.core.sequence import Sequence, SequenceStatus
 from sessionserve.model.runner import ModelRunner
@@ -76,7 +84,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_dir, config.model, config.cache, config.scheduler.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         eos = self.runner.arch.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id else ())
-        self.core = EngineCore(config.scheduler, self.kv, self.runner, clock, tuple(eos), self.runner.max_model_len)
+        self.mover = self._make_mover(config)
+        self.sessions = SessionManager(self.kv, self.mover, make_policy(config.session.residency_policy),
+                                       idle_ttl_s=config.session.session_idle_ttl_s,
+                                       max_sessions=config.session.max_sessions)
+        self.core = EngineCore(config.scheduler, self.kv, self.runner, clock, tuple(eos), self.runner.max_model_len,
+                               sessions=self.sessions)
+        self._clock = clock
         self._tracked: dict[str, _Tracked] = {}
         self._next_id = 0
 
@@ -89,8 +103,13 @@ class LLMEngine:
         return f"req-{self._next_id}"
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    stream: bool = False, salt: bytes = b"") -> str:
-        """Queue a prompt (text or token ids). Returns the request id. Raises ValueError on bad input."""
+                    stream: bool = False, salt: bytes = b"", session_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids). Returns the request id. Raises ValueError on bad input.
+
+        With `session_id`, `prompt` is the session's new turn only (e.g. tool
+        results and the next assistant header); what the session holds is not
+        sent, tokenized or prefilled again.
+        """
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         if isinstance(prompt, str):
@@ -100,15 +119,66 @@ class LLMEngine:
             if any((not isinstance(t, int)) or t < 0 or t >= self.runner.arch.vocab_size for t in ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {self.runner.arch.vocab_size})")
         rid = request_id or self.new_request_id()
-        max_total = len(ids) + params.max_tokens
-        if max_total > self.max_model_len and len(ids) < self.max_model_len:
-            pass  # output is cut at the context length (finish_reason "length"), as vLLM does
-        seq = self.core.add_request(rid, ids, params, salt)
+        seq = self.core.add_request(rid, ids, params, salt, session_id=session_id)
         detok = None
         if stream or params.stop:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         self._tracked[rid] = _Tracked(seq, text, detok)
         return rid
+
+    def _make_mover(self, config: Config) -> ThreadMover | None:
+        sc = config.session
+        if sc.host_kv_bytes == 0 and sc.disk_kv_bytes == 0:
+            return None
+        layout = KVLayout.from_kv_caches(self.runner.kv_caches)
+        host = HostTier(layout, sc.host_kv_bytes, quantize_int8=sc.host_kv_int8,
+                        pin_memory=self.runner.device.type == "cuda") if sc.host_kv_bytes else None
+        disk = None
+        if sc.disk_kv_bytes:
+            spool = sc.spool_dir or tempfile.mkdtemp(prefix="sessionserve-spool-")
+            disk = DiskTier(layout, spool, sc.disk_kv_bytes)
+        return ThreadMover(self.runner.kv_caches, host, disk)
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def open_session(self, session_id: str | None = None, tenant: str = "", priority: str = "interactive") -> str:
+        """Open a session; its turns keep their KV between calls. Returns its id."""
+        self._next_id += 1
+        sid = session_id or f"sess-{self._next_id}"
+        self.core.open_session(sid, tenant, priority)
+        return sid
+
+    def park(self, session_id: str, tools: tuple[str, ...] = (), expected_wait_s: float | None = None) -> None:
+        """Tell the engine what a parked session waits on (tool names, expected wait)."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise ValueError(f"unknown session {session_id!r}")
+        self.sessions.set_wait(session_id, tuple(tools), expected_wait_s)
+
+    def get_session(self, session_id: str) -> Session | None:
+        return self.sessions.get(session_id)
+
+    def close_session(self, session_id: str) -> bool:
+        return self.core.close_session(session_id)
+
+    def update_costs(self) -> None:
+        """Feed measured move bandwidths and prefill speed to the residency policy."""
+        costs = self.sessions.costs
+        host_s = disk_s = None
+        if self.mover is not None:
+            bb = self.mover.block_bytes
+            bw_h = self.mover.stats.bandwidth(f"offload:{Tier.HOST.value}")
+            bw_d = self.mover.stats.bandwidth(f"offload:{Tier.DISK.value}")
+            host_s = bb / bw_h if bw_h else None
+            disk_s = bb / bw_d if bw_d else None
+        rec = self.core.prefill_s_per_token
+        self.sessions.costs = MoveCosts(host_s or costs.host_s_per_block, disk_s or costs.disk_s_per_block,
+                                        rec or costs.recompute_s_per_token)
+
+    def close(self) -> None:
+        """Stop the mover and release stored KV copies."""
+        if self.mover is not None:
+            self.mover.close()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks. False if unknown or finished."""
@@ -121,6 +191,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for each request that advanced or finished."""
         outputs: list[RequestOutput] = []
+        if self.core.num_steps % 32 == 0:
+            self.update_costs()
         for step_out in self.core.step():
             seq = step_out.seq
             tracked = self._tracked.get(seq.request_id)

@@ -92,6 +92,19 @@ class KVCacheManager:
             self.pool.cache_block(table[i], hashes[i])
         self._num_committed[request_id] = max(start, end)
 
+    def rename(self, old_key: str, new_key: str) -> None:
+        """Hand a block table (and its hashing progress) to a new owner key; no counts change."""
+        if new_key in self.block_tables:
+            raise KeyError(f"{new_key!r} already owns blocks")
+        if old_key in self.block_tables:
+            self.block_tables[new_key] = self.block_tables.pop(old_key)
+        for table in (self._hashes, self._num_committed):
+            if old_key in table:
+                table[new_key] = table.pop(old_key)  # type: ignore[assignment]
+
+    def num_blocks_of(self, key: str) -> int:
+        return len(self.block_tables.get(key, ()))
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks (cached ones stay reusable) and forget it."""
         table = self.block_tables.pop(request_id, None)

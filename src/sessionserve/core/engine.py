@@ -15,6 +15,8 @@ from sessionserve.core.executor import Executor
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.core.scheduler import Scheduler, SchedulerOutput
 from sessionserve.core.sequence import Sequence, SequenceStatus
+from sessionserve.core.session import Session
+from sessionserve.core.session_manager import SessionManager
 
 
 @dataclass(slots=True)
@@ -30,7 +32,8 @@ class EngineCore:
     """Holds the scheduler, the KV manager and an executor; runs one step at a time."""
 
     def __init__(self, scheduler_config: SchedulerConfig, kv: KVCacheManager, executor: Executor,
-                 clock: Callable[[], float], eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+                 clock: Callable[[], float], eos_token_ids: tuple[int, ...], max_model_len: int,
+                 sessions: SessionManager | None = None) -> None:
         self.kv = kv
         self.scheduler = Scheduler(scheduler_config, kv)
         self.executor = executor
@@ -39,10 +42,21 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
+        self.sessions = sessions
+        # Measured seconds per prefilled token (EMA over prefill-heavy steps): the recompute cost.
+        self.prefill_s_per_token: float | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    salt: bytes = b"") -> Sequence:
-        """Queue a request. Raises ValueError for a duplicate id, an empty or too-long prompt."""
+                    salt: bytes = b"", session_id: str | None = None) -> Sequence:
+        """Queue a request, or the next turn of a session (`prompt_token_ids` = the new tokens only).
+
+        Raises ValueError for a duplicate id, an empty or too-long prompt, an
+        unknown or busy session.
+        """
+        session = self._session(session_id) if session_id is not None else None
+        if session is not None:
+            new_ids = list(prompt_token_ids)
+            prompt_token_ids = session.token_ids + new_ids
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -54,25 +68,52 @@ class EngineCore:
                        num_prompt_tokens=len(prompt_token_ids), sampling_params=params,
                        arrival_s=self.clock(), eos_token_ids=self.eos_token_ids,
                        max_model_len=self.max_model_len, salt=salt)
+        self.scheduler.check_fits(seq)
+        if session is not None:
+            assert self.sessions is not None
+            self.sessions.begin_turn(session, seq, len(new_ids), seq.arrival_s)
         self.scheduler.add(seq)
         self.requests[request_id] = seq
         return seq
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks. False if it is unknown or already finished."""
-        seq = self.requests.pop(request_id, None)
+        """Stop a request and free its blocks (a session keeps what was computed). False if unknown/finished."""
+        seq = self.requests.get(request_id)
         if seq is None or seq.is_finished:
+            self.requests.pop(request_id, None)
             return False
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        seq.finished_s = self.clock()
+        self.finish(request_id, SequenceStatus.FINISHED_ABORTED)
         return True
 
     def finish(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_STOPPED) -> None:
-        """End a request early (e.g. a stop string matched in its text)."""
+        """End a request early (e.g. a stop string matched in its text, or an abort)."""
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, status)
             seq.finished_s = self.clock()
+            if self.sessions is not None and seq.session_id is not None:
+                self.sessions.end_turn(seq, seq.finished_s)
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def open_session(self, session_id: str, tenant: str = "", priority: str = "interactive") -> Session:
+        if self.sessions is None:
+            raise ValueError("sessions are not enabled on this engine")
+        return self.sessions.open(session_id, self.clock(), tenant, priority)
+
+    def close_session(self, session_id: str) -> bool:
+        """Close a session: abort its running turn, free its KV everywhere."""
+        session = self._session(session_id)
+        if session.request_id is not None:
+            self.abort(session.request_id)
+        assert self.sessions is not None
+        return self.sessions.close(session_id)
+
+    def _session(self, session_id: str | None) -> Session:
+        session = self.sessions.get(session_id or "") if self.sessions is not None else None
+        if session is None:
+            raise ValueError(f"unknown session {session_id!r}")
+        return session
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -81,10 +122,19 @@ class EngineCore:
         """Run one step. Returns the sequences that got a token or finished."""
         plan: SchedulerOutput = self.scheduler.schedule()
         if plan.is_empty:
+            if self.sessions is not None:
+                if self.sessions.num_blocked and self.sessions.mover is not None:
+                    self.sessions.mover.wait(0.005)  # only restores are pending: wait for one
+                self.sessions.tick(self.clock(), self.scheduler.num_wanted_blocks)
             return []
+        t0 = self.clock()
         result = self.executor.execute(plan)
         finished = self.scheduler.update(plan, result.sampled)
         now = self.clock()
+        if plan.num_batched_tokens >= 64:
+            sample = (now - t0) / plan.num_batched_tokens
+            prev = self.prefill_s_per_token
+            self.prefill_s_per_token = sample if prev is None else 0.8 * prev + 0.2 * sample
         self.num_steps += 1
         outputs: list[StepOutput] = []
         for chunk in plan.chunks:
@@ -102,4 +152,9 @@ class EngineCore:
         for seq in finished:
             seq.finished_s = now
             self.requests.pop(seq.request_id, None)
+            if self.sessions is not None and seq.session_id is not None:
+                self.sessions.end_turn(seq, now)
+        if self.sessions is not None:
+            # After parking this step's finished turns, so the policy sees them at once.
+            self.sessions.tick(now, self.scheduler.num_wanted_blocks)
         return outputs

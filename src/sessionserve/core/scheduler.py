@@ -58,16 +58,22 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Blocks the first waiting sequence needed and could not get in the last schedule().
+        self.num_wanted_blocks = 0
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def add(self, seq: Sequence) -> None:
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise ValueError if `seq` could never fit in the cache, even alone."""
         if self.kv.blocks_needed(seq.num_tokens + 1) > self.kv.pool.num_blocks:
             raise ValueError(
                 f"request {seq.request_id} needs {seq.num_tokens + 1} tokens of KV, more than the whole cache "
                 f"({self.kv.pool.num_blocks * self.kv.block_size} tokens)")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -98,24 +104,37 @@ class Scheduler:
 
         # NOTE: no admissions in a step that preempted: memory is short, and
         # admitting now would only preempt again next step.
+        self.num_wanted_blocks = 0
+        skipped: list[Sequence] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hit = self.kv.find_cached_prefix(seq.request_id, seq.token_ids, seq.salt)
-            num_new = seq.num_tokens - hit.num_tokens
+            if seq.is_blocked:  # its KV is still coming back from a lower tier
+                skipped.append(self.waiting.popleft())
+                continue
+            if seq.request_id in self.kv.block_tables:  # resumes with KV it already holds
+                start = seq.num_computed_tokens
+                hit = None
+            else:
+                hit = self.kv.find_cached_prefix(seq.request_id, seq.token_ids, seq.salt)
+                start = hit.num_tokens
+            num_new = seq.num_tokens - start
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate(seq.request_id, hit.num_tokens + num_new, hit) is None:
+            if self.kv.allocate(seq.request_id, start + num_new, hit) is None:
+                have = self.kv.num_blocks_of(seq.request_id) or (len(hit.blocks) if hit else 0)
+                self.num_wanted_blocks = self.kv.blocks_needed(start + num_new) - have
                 break
             self.waiting.popleft()
             if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = hit.num_tokens
-                self.kv.pool.record_query(seq.num_prompt_tokens, hit.num_tokens)
-            seq.num_computed_tokens = hit.num_tokens
+                seq.num_cached_tokens = start
+                self.kv.pool.record_query(seq.num_prompt_tokens, start)
+            seq.num_computed_tokens = start
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, hit.num_tokens, num_new, hit.num_tokens + num_new == seq.num_tokens))
+            chunks.append(ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         return SchedulerOutput(tuple(chunks), self.config.max_num_batched_tokens - budget, tuple(preempted),
                                self.kv.block_tables)
@@ -152,7 +171,10 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
         self.kv.commit_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.salt)
-        self.kv.free(seq.request_id)
+        if seq.kv_successor is not None and seq.request_id in self.kv.block_tables:
+            self.kv.rename(seq.request_id, seq.kv_successor)
+        else:
+            self.kv.free(seq.request_id)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.commit_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.salt)

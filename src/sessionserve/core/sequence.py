@@ -46,6 +46,12 @@ class Sequence:
     first_token_s: float | None = None
     finished_s: float | None = None
     stop_reason: int | str | None = None
+    # Key that takes over the blocks when the sequence finishes (a session keeping
+    # its KV between turns); None frees them.
+    kv_successor: str | None = None
+    # Waiting for KV to come back from a lower tier: not schedulable yet.
+    is_blocked: bool = False
+    session_id: str | None = None
     # Per generated token: {token_id: logprob} for the top-n, plus the chosen token.
     logprobs: list[dict[int, float]] | None = field(default=None)
 

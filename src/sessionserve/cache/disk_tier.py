@@ -1,0 +1,238 @@
+"""The disk tier of the KV cache: one checksummed spool file per parked block group.
+
+File format (little endian): a fixed header
+  magic b"SSKV" | version u16 | reserved u16 | num_blocks u64 | dtype name 16s |
+  num_layers, num_kv_heads, block_size, head_dim u32 x4 | payload_bytes u64 | crc32 u32
+followed by the payload: the raw (n, L, 2, Hkv, bs, D) tensor bytes. The crc32
+covers the header fields before it and the payload, so a flipped byte anywhere
+is caught. crc32 rather than a cryptographic hash: the threat is bit rot and
+torn files, not an adversary (the directory is 0o700 and names are ours), and
+it is ~4x faster than blake2b, which would otherwise bound the mover's speed.
+
+Files are named by us (uuid4 hex + ".kv"), written to a temp name and renamed,
+never fsynced: the spool does not outlive the process, so durability is moot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import struct
+import threading
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sessionserve.cache.kv_layout import KVLayout
+
+MAGIC = b"SSKV"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHHQ16s4IQ")  # everything before the checksum
+_CRC = struct.Struct("<I")
+HEADER_BYTES = _HEADER.size + _CRC.size
+_CHUNK_BYTES = 8 << 20  # bounded syscalls; lets other threads run between chunks
+
+logger = logging.getLogger(__name__)
+
+
+class CorruptKVError(Exception):
+    """A spool file is missing, truncated, or fails its header or checksum check."""
+
+
+@dataclass(frozen=True)
+class DiskHandle:
+    """A reservation of `size_bytes` (header + payload) for `num_blocks` blocks at `path`."""
+
+    path: Path
+    num_blocks: int
+    size_bytes: int
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of contiguous CPU `tensor`'s memory (no copy; keep `tensor` alive)."""
+    num_bytes = tensor.numel() * tensor.element_size()
+    if num_bytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * num_bytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _write_fully(fd: int, data: memoryview) -> None:
+    """Write all of `data` to `fd`, retrying short writes. Raises OSError (e.g. ENOSPC)."""
+    offset = 0
+    while offset < len(data):
+        offset += os.write(fd, data[offset:offset + _CHUNK_BYTES])
+
+
+def _unlink_quietly(path: Path) -> None:
+    """Remove `path` if present. Errors are logged, not raised: this runs on cleanup
+    paths (free, close) that must always release the budget, and a file we cannot
+    delete (e.g. the spool dir vanished) cannot be helped by the caller either."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("could not remove KV spool file %s: %s", path, exc)
+
+
+class DiskTier:
+    """Budgeted spool of block-group files in `spool_dir`.
+
+    Threading: `try_reserve`/`free` run on the engine thread, `write`/`read` on
+    the mover thread; `_lock` guards the reservation and written sets.
+
+    Invariants: `used_bytes` is the sum of `size_bytes` of reserved handles and
+    never exceeds `budget_bytes`; every path in `_written` is reserved. Files in
+    the spool dir that we did not create are never touched nor counted.
+    """
+
+    def __init__(self, layout: KVLayout, spool_dir: str | Path, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError("budget_bytes must be >= 0")
+        self.layout = layout
+        self.spool_dir = Path(spool_dir)
+        self.budget_bytes = budget_bytes
+        # 0o700: parked KV reveals the sessions' prompts; other users must not read it.
+        self.spool_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._reserved: dict[Path, DiskHandle] = {}
+        self._written: set[Path] = set()
+        self._used_bytes = 0
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used_bytes
+
+    @property
+    def num_files(self) -> int:
+        """Files currently written by us and not yet freed."""
+        with self._lock:
+            return len(self._written)
+
+    def try_reserve(self, num_blocks: int) -> DiskHandle | None:
+        """Reserve budget for a `num_blocks` group, or return None if it would not fit.
+
+        Mutates the budget accounting only; creates no file.
+        """
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        size_bytes = HEADER_BYTES + num_blocks * self.layout.block_bytes
+        handle = DiskHandle(self.spool_dir / f"{uuid.uuid4().hex}.kv", num_blocks, size_bytes)
+        with self._lock:
+            if self._used_bytes + size_bytes > self.budget_bytes:
+                return None
+            self._reserved[handle.path] = handle
+            self._used_bytes += size_bytes
+        return handle
+
+    def write(self, handle: DiskHandle, data: torch.Tensor) -> None:
+        """Write block group `data` (n, L, 2, Hkv, bs, D) to `handle`'s file.
+
+        Creates/replaces the file atomically (temp name + rename); no partial
+        file is ever visible under the final name. Raises OSError on failure,
+        leaving no temp file behind and the handle still reserved (the caller
+        frees it). Raises ValueError for a handle that is not reserved.
+        """
+        expected = self.layout.group_shape(handle.num_blocks)
+        if tuple(data.shape) != expected:
+            raise ValueError(f"data shape {tuple(data.shape)} != {expected}")
+        with self._lock:
+            if handle.path not in self._reserved:
+                raise ValueError("write to a disk handle that is not reserved")
+        payload = data.to("cpu", self.layout.dtype).contiguous()
+        payload_view = _byte_view(payload)
+        header = self._header(handle.num_blocks, len(payload_view))
+        crc = zlib.crc32(payload_view, zlib.crc32(header))
+        tmp_path = handle.path.with_name(handle.path.name + ".tmp")
+        try:
+            fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                _write_fully(fd, memoryview(header + _CRC.pack(crc)))
+                _write_fully(fd, payload_view)
+            finally:
+                os.close(fd)
+            os.replace(tmp_path, handle.path)
+        except BaseException:
+            tmp_path.unlink(missing_ok=True)
+            raise
+        with self._lock:
+            if handle.path in self._reserved:
+                self._written.add(handle.path)
+                return
+        # Freed while we were writing: the file we just renamed into place is orphaned.
+        _unlink_quietly(handle.path)
+
+    def read(self, handle: DiskHandle) -> torch.Tensor:
+        """The block group stored under `handle`, as a new CPU tensor in the layout dtype.
+
+        Mutates nothing. Raises CorruptKVError if the file is missing, has the
+        wrong size, a header that does not match the handle and layout, or a
+        bad checksum; other I/O errors propagate as OSError.
+        """
+        try:
+            fd = os.open(handle.path, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise CorruptKVError(f"spool file {handle.path.name} is missing") from exc
+        try:
+            file_bytes = os.fstat(fd).st_size
+            if file_bytes != handle.size_bytes:
+                raise CorruptKVError(f"spool file {handle.path.name} has {file_bytes} bytes, "
+                                     f"expected {handle.size_bytes}")
+            header_and_crc = os.read(fd, HEADER_BYTES)
+            out = torch.empty(self.layout.group_shape(handle.num_blocks), dtype=self.layout.dtype)
+            out_view = _byte_view(out)
+            if len(header_and_crc) != HEADER_BYTES or self._read_into(fd, out_view) != len(out_view):
+                raise CorruptKVError(f"spool file {handle.path.name} is truncated")
+        finally:
+            os.close(fd)
+        header, (stored_crc,) = header_and_crc[:_HEADER.size], _CRC.unpack(header_and_crc[_HEADER.size:])
+        if header != self._header(handle.num_blocks, len(out_view)):
+            raise CorruptKVError(f"spool file {handle.path.name} has a mismatched header")
+        if zlib.crc32(out_view, zlib.crc32(header)) != stored_crc:
+            raise CorruptKVError(f"spool file {handle.path.name} fails its checksum")
+        return out
+
+    def free(self, handle: DiskHandle) -> None:
+        """Delete `handle`'s file (and any temp file) and release its budget.
+
+        Idempotent: freeing an already freed handle does nothing. Never raises
+        for a file it cannot delete (logged; the budget is released anyway).
+        """
+        with self._lock:
+            if self._reserved.pop(handle.path, None) is None:
+                return
+            self._written.discard(handle.path)
+            self._used_bytes -= handle.size_bytes
+        for path in (handle.path, handle.path.with_name(handle.path.name + ".tmp")):
+            _unlink_quietly(path)
+
+    def close(self) -> None:
+        """Free every handle, removing every file this tier wrote. The tier stays usable."""
+        with self._lock:
+            handles = list(self._reserved.values())
+        for handle in handles:
+            self.free(handle)
+
+    def _header(self, num_blocks: int, payload_bytes: int) -> bytes:
+        layout = self.layout
+        return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, num_blocks,
+                            _dtype_name(layout.dtype).encode("ascii"), layout.num_layers,
+                            layout.num_kv_heads, layout.block_size, layout.head_dim, payload_bytes)
+
+    @staticmethod
+    def _read_into(fd: int, view: memoryview) -> int:
+        """Fill `view` from `fd`; returns bytes read (less than len(view) only at EOF)."""
+        offset = 0
+        while offset < len(view):
+            num_read = os.readv(fd, [view[offset:offset + _CHUNK_BYTES]])
+            if num_read == 0:
+                break
+            offset += num_read
+        return offset

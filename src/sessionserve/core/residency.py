@@ -1,0 +1,259 @@
+"""Residency policies: what to do with the KV of sessions parked between turns.
+
+Pure functions of a `ResidencyView` (parked sessions, predicted waits, tier
+capacities, measured costs) returning actions; the session manager carries
+them out through the mover. One interface, chosen by name:
+
+  discard      release the KV at every park (a stateless server; only the
+               prefix cache may still hold some of it) — the baseline
+  keep         hold on device until resume; under memory pressure drop the
+               longest-parked first (nothing else can make room)
+  ttl          hold for a time-to-live derived from the predicted wait, then
+               drop (after Continuum)
+  least-waste  per session, keep / swap to host / drop by the memory-time
+               each wastes (after InferCept)
+  predictive   ours: offload by predicted time to next use when memory is
+               tight, host or disk by size and room, prefetch so the KV is
+               back just before the predicted resume, keep short waits in
+               place, and re-offload when a prediction proves wrong
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple, Protocol
+
+from sessionserve.core.session import Residency, Tier
+from sessionserve.core.wait_predictor import WaitPrediction
+
+
+class ParkedSession(NamedTuple):
+    session_id: str
+    residency: Residency
+    num_blocks: int  # device blocks the KV occupies (or will, once restored)
+    num_tokens: int  # computed tokens: what a drop would make us recompute
+    parked_s: float
+    predicted: WaitPrediction
+
+
+class MoveCosts(NamedTuple):
+    """Measured costs, one way, in seconds."""
+
+    host_s_per_block: float
+    disk_s_per_block: float
+    recompute_s_per_token: float
+
+
+class ResidencyView(NamedTuple):
+    now_s: float
+    parked: tuple[ParkedSession, ...]
+    num_device_blocks: int
+    num_free_device_blocks: int
+    # Blocks that queued requests need now and cannot get (0 when admission is not blocked).
+    num_wanted_device_blocks: int
+    num_free_host_blocks: int
+    num_free_disk_blocks: int
+    costs: MoveCosts
+
+
+class ActionKind(Enum):
+    OFFLOAD = "offload"
+    DROP = "drop"
+    PREFETCH = "prefetch"
+
+
+class ResidencyAction(NamedTuple):
+    kind: ActionKind
+    session_id: str
+    tier: Tier | None = None
+
+
+class ResidencyPolicy(Protocol):
+    name: str
+
+    def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
+        """Actions for this moment. Must not act on sessions that are OFFLOADING or RESTORING."""
+        ...
+
+
+def _pressure(view: ResidencyView) -> int:
+    """Device blocks to free now for queued work."""
+    return max(0, view.num_wanted_device_blocks - view.num_free_device_blocks)
+
+
+def _drop_until(candidates: list[ParkedSession], need: int) -> list[ResidencyAction]:
+    actions = []
+    for s in candidates:
+        if need <= 0:
+            break
+        actions.append(ResidencyAction(ActionKind.DROP, s.session_id))
+        need -= s.num_blocks
+    return actions
+
+
+def _on_device(view: ResidencyView) -> list[ParkedSession]:
+    return [s for s in view.parked if s.residency is Residency.DEVICE]
+
+
+@dataclass(frozen=True)
+class DiscardPolicy:
+    name: str = "discard"
+
+    def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
+        return tuple(ResidencyAction(ActionKind.DROP, s.session_id) for s in _on_device(view))
+
+
+@dataclass(frozen=True)
+class KeepPolicy:
+    name: str = "keep"
+
+    def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
+        oldest_first = sorted(_on_device(view), key=lambda s: s.parked_s)
+        return tuple(_drop_until(oldest_first, _pressure(view)))
+
+
+@dataclass(frozen=True)
+class TTLPolicy:
+    """Keep for ttl = factor x predicted p50 (clamped), then drop."""
+
+    name: str = "ttl"
+    factor: float = 1.5
+    min_ttl_s: float = 0.5
+    max_ttl_s: float = 120.0
+
+    def ttl_s(self, s: ParkedSession) -> float:
+        return min(self.max_ttl_s, max(self.min_ttl_s, self.factor * s.predicted.p50_s))
+
+    def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
+        on_device = _on_device(view)
+        expired = [s for s in on_device if view.now_s - s.parked_s >= self.ttl_s(s)]
+        actions = [ResidencyAction(ActionKind.DROP, s.session_id) for s in expired]
+        freed = sum(s.num_blocks for s in expired)
+        rest = sorted((s for s in on_device if s not in expired),
+                      key=lambda s: s.parked_s + self.ttl_s(s))  # closest to expiry first
+        actions += _drop_until(rest, _pressure(view) - freed)
+        return tuple(actions)
+
+
+@dataclass(frozen=True)
+class LeastWastePolicy:
+    """Per session: the cheapest of keep, swap to host, drop, in memory-time (block-seconds)."""
+
+    name: str = "least-waste"
+
+    def waste(self, s: ParkedSession, view: ResidencyView) -> dict[str, float]:
+        c = view.costs
+        used = view.num_device_blocks - view.num_free_device_blocks
+        recompute_s = c.recompute_s_per_token * s.num_tokens
+        out = {
+            "keep": s.num_blocks * s.predicted.p50_s,
+            # Recompute holds the session's blocks while prefilling and stalls the running batch.
+            "drop": s.num_blocks * recompute_s + used * recompute_s,
+        }
+        if view.num_free_host_blocks >= s.num_blocks:
+            out["swap"] = s.num_blocks * 2 * c.host_s_per_block * s.num_blocks
+        return out
+
+    def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
+        actions: list[ResidencyAction] = []
+        need = _pressure(view)
+        host_free = view.num_free_host_blocks
+        kept: list[ParkedSession] = []
+        for s in _on_device(view):
+            w = self.waste(s, view)
+            choice = min(w, key=w.__getitem__)
+            if choice == "swap" and host_free >= s.num_blocks:
+                actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
+                host_free -= s.num_blocks
+                need -= s.num_blocks
+            elif choice == "drop":
+                actions.append(ResidencyAction(ActionKind.DROP, s.session_id))
+                need -= s.num_blocks
+            else:
+                kept.append(s)
+        # Under pressure, the kept sessions that waste least by dropping go first.
+        kept.sort(key=lambda s: self.waste(s, view)["drop"])
+        actions += _drop_until(kept, need)
+        return tuple(actions)
+
+
+@dataclass(frozen=True)
+class PredictivePolicy:
+    """Belady-like: the session whose next use is predicted farthest leaves the device first."""
+
+    name: str = "predictive"
+    # Keep this share of device blocks free for running and arriving work; below
+    # it, parked sessions are moved off proactively.
+    low_watermark: float = 0.10
+    # Start a prefetch this many restore-times before the predicted resume.
+    prefetch_lead: float = 2.0
+    # Sessions larger than this share of the host tier's free room go to disk.
+    host_share: float = 0.5
+
+    def remaining_s(self, s: ParkedSession, now_s: float) -> float:
+        """Expected time until resume, given how long it has already waited."""
+        waited = now_s - s.parked_s
+        p = s.predicted
+        if waited < p.p50_s:
+            return p.p50_s - waited
+        if waited < p.p90_s:
+            return p.p90_s - waited
+        return waited  # past the 90th percentile of a heavy tail: expect about as long again
+
+    def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
+        c, now = view.costs, view.now_s
+        reserve = int(self.low_watermark * view.num_device_blocks)
+        need = _pressure(view) + max(0, reserve - view.num_free_device_blocks)
+        actions: list[ResidencyAction] = []
+        host_free, disk_free = view.num_free_host_blocks, view.num_free_disk_blocks
+
+        # Demote: farthest predicted next use first, while device memory is short.
+        farthest_first = sorted(_on_device(view), key=lambda s: -self.remaining_s(s, now))
+        for s in farthest_first:
+            if need <= 0:
+                break
+            remaining = self.remaining_s(s, now)
+            host_rt = 2 * c.host_s_per_block * s.num_blocks
+            recompute_s = c.recompute_s_per_token * s.num_tokens
+            if host_free >= s.num_blocks and s.num_blocks <= max(1, self.host_share * host_free) \
+                    and host_rt < remaining:
+                actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
+                host_free -= s.num_blocks
+            elif disk_free >= s.num_blocks and 2 * c.disk_s_per_block * s.num_blocks < min(remaining, 4 * recompute_s):
+                actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.DISK))
+                disk_free -= s.num_blocks
+            elif host_free >= s.num_blocks:
+                actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
+                host_free -= s.num_blocks
+            else:
+                actions.append(ResidencyAction(ActionKind.DROP, s.session_id))
+            need -= s.num_blocks
+
+        # Prefetch: soonest predicted resume first, into room above the watermark.
+        room = view.num_free_device_blocks - reserve - _pressure(view)
+        off_device = [s for s in view.parked if s.residency in (Residency.HOST, Residency.DISK)]
+        for s in sorted(off_device, key=lambda s: self.remaining_s(s, now)):
+            per_block = c.host_s_per_block if s.residency is Residency.HOST else c.disk_s_per_block
+            lead_s = self.prefetch_lead * per_block * s.num_blocks + 0.05
+            if self.remaining_s(s, now) > lead_s or s.num_blocks > room:
+                continue
+            actions.append(ResidencyAction(ActionKind.PREFETCH, s.session_id))
+            room -= s.num_blocks
+        return tuple(actions)
+
+
+POLICIES: dict[str, type] = {
+    "discard": DiscardPolicy,
+    "keep": KeepPolicy,
+    "ttl": TTLPolicy,
+    "least-waste": LeastWastePolicy,
+    "predictive": PredictivePolicy,
+}
+
+
+def make_policy(name: str) -> ResidencyPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown residency policy {name!r}; choose from {sorted(POLICIES)}") from None

@@ -1,0 +1,278 @@
+"""Sessions in the engine: turns, parking, residency actions, restores, expiry.
+
+Owns the `Session` objects; applies the residency policy's decisions through
+the mover; keeps the KV manager's tables consistent: a parked session's
+device blocks live under `session.kv_key`, a running turn's under its request
+id. No torch and no clock: `now_s` comes in with every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from sessionserve.cache.kv_manager import KVCacheManager
+from sessionserve.core.kv_mover import KVMover, MoveDone, MoveKind
+from sessionserve.core.residency import (ActionKind, MoveCosts, ParkedSession, ResidencyAction,
+                                         ResidencyPolicy, ResidencyView)
+from sessionserve.core.sequence import Sequence, SequenceStatus
+from sessionserve.core.session import Residency, Session, SessionState, Tier
+from sessionserve.core.wait_predictor import WaitPredictor
+
+
+class SessionManager:
+    """Session lifecycle and KV residency. Called from the engine thread only."""
+
+    def __init__(self, kv: KVCacheManager, mover: KVMover | None, policy: ResidencyPolicy,
+                 predictor: WaitPredictor | None = None, idle_ttl_s: float = 600.0,
+                 costs: MoveCosts | None = None, max_sessions: int = 100_000) -> None:
+        self.kv = kv
+        self.mover = mover
+        self.policy = policy
+        self.predictor = predictor or WaitPredictor()
+        self.idle_ttl_s = idle_ttl_s
+        self.costs = costs or MoveCosts(host_s_per_block=1e-4, disk_s_per_block=1e-3, recompute_s_per_token=1e-3)
+        self.max_sessions = max_sessions
+        self.sessions: dict[str, Session] = {}
+        self._blocked: dict[str, tuple[Sequence, float]] = {}  # session id -> (turn waiting for its KV, since)
+        self._pending_restore: set[str] = set()  # restores waiting for device blocks
+        self._dropped_tokens: dict[str, int] = {}  # session id -> computed tokens lost by a drop
+        self.num_expired = 0
+        self.num_corrupt_restores = 0
+        self.num_failed_offloads = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def open(self, session_id: str, now_s: float, tenant: str = "", priority: str = "interactive") -> Session:
+        if session_id in self.sessions:
+            raise ValueError(f"session {session_id!r} already exists")
+        if len(self.sessions) >= self.max_sessions:
+            raise ValueError(f"too many open sessions (limit {self.max_sessions})")
+        session = Session(session_id, tenant=tenant, priority=priority, opened_s=now_s, last_active_s=now_s)
+        self.sessions[session_id] = session
+        return session
+
+    def get(self, session_id: str) -> Session | None:
+        return self.sessions.get(session_id)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(self.sessions.values())
+
+    def begin_turn(self, session: Session, seq: Sequence, num_new_tokens: int, now_s: float) -> None:
+        """Attach a new turn `seq` (prompt = session tokens + new tokens) and bring the KV to it."""
+        if session.state is SessionState.RUNNING:
+            raise ValueError(f"session {session.session_id!r} already has a turn running")
+        if session.state is SessionState.CLOSED:
+            raise ValueError(f"session {session.session_id!r} is closed")
+        stats = session.stats
+        if session.state is SessionState.PARKED and session.parked_s is not None:
+            wait_s = now_s - session.parked_s
+            stats.total_wait_s += wait_s
+            self.predictor.observe(session.waiting_tools, wait_s)
+        session.state = SessionState.RUNNING
+        session.request_id = seq.request_id
+        session.last_active_s = now_s
+        session.parked_s = None
+        seq.kv_successor = session.kv_key
+        seq.session_id = session.session_id
+        stats.num_turns += 1
+        stats.num_prompt_tokens += num_new_tokens
+        res = session.residency
+        if res is Residency.OFFLOADING:  # resumed before the offload finished: keep the device copy
+            assert self.mover is not None
+            self.mover.discard(session.session_id)
+            session.residency = res = Residency.DEVICE
+            session.stored_tier = None
+        if res is Residency.DEVICE:
+            if session.is_prefetched:
+                stats.num_prefetch_hits += 1
+            self._adopt(session, seq)
+        elif res is Residency.RESTORING:
+            stats.num_prefetch_late += 1
+            self._block(session, seq, now_s)
+        elif res in (Residency.HOST, Residency.DISK):
+            stats.num_restore_misses += 1
+            self._block(session, seq, now_s)
+            self._start_restore(session)
+        session.is_prefetched = False
+
+    def end_turn(self, seq: Sequence, now_s: float) -> Session | None:
+        """The turn finished (or was aborted): the session keeps what was computed and parks."""
+        session = self.sessions.get(seq.session_id or "")
+        if session is None or session.request_id != seq.request_id:
+            return None
+        self._blocked.pop(session.session_id, None)
+        session.stats.num_computed_prompt_tokens += max(0, seq.num_prompt_tokens - (seq.num_cached_tokens or 0))
+        dropped = self._dropped_tokens.pop(session.session_id, 0)
+        session.stats.num_recompute_tokens += max(0, dropped - (seq.num_cached_tokens or 0))
+        keep = seq.token_ids if seq.status is not SequenceStatus.FINISHED_ABORTED \
+            else seq.token_ids[: max(seq.num_computed_tokens, seq.num_prompt_tokens)]
+        session.token_ids = list(keep)
+        session.num_computed_tokens = min(seq.num_computed_tokens, len(keep))
+        session.request_id = None
+        session.state = SessionState.PARKED
+        session.parked_s = now_s
+        session.last_active_s = now_s
+        session.waiting_tools, session.wait_hint_s = (), None
+        session.residency = Residency.DEVICE if self.kv.num_blocks_of(session.kv_key) else Residency.NONE
+        if session.residency is Residency.NONE:
+            self._note_drop(session)
+        return session
+
+    def set_wait(self, session_id: str, tools: tuple[str, ...] = (), wait_hint_s: float | None = None) -> None:
+        """What a parked session waits on: the tools it called, and the client's expected wait."""
+        session = self.sessions[session_id]
+        session.waiting_tools = tuple(tools)
+        session.wait_hint_s = wait_hint_s
+
+    def close(self, session_id: str) -> bool:
+        """Free the session's KV in every tier and forget it. The running turn, if any, is the caller's."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return False
+        session.state = SessionState.CLOSED
+        self.kv.free(session.kv_key)
+        if self.mover is not None:
+            self.mover.discard(session_id)
+        self._blocked.pop(session_id, None)
+        self._pending_restore.discard(session_id)
+        self._dropped_tokens.pop(session_id, None)
+        session.residency = Residency.NONE
+        return True
+
+    # -- the periodic part -------------------------------------------------------------------
+
+    def tick(self, now_s: float, num_wanted_blocks: int) -> None:
+        """Apply finished moves, expire idle sessions, and carry out the policy's actions."""
+        if self.mover is not None:
+            for done in self.mover.poll():
+                self._on_move_done(done, now_s)
+        for sid in list(self._pending_restore):
+            self._start_restore(self.sessions[sid])
+        for session in [s for s in self.sessions.values()
+                        if s.state is not SessionState.RUNNING and now_s - s.last_active_s > self.idle_ttl_s]:
+            self.close(session.session_id)
+            self.num_expired += 1
+        for action in self.policy.decide(self.view(now_s, num_wanted_blocks)):
+            self._apply(action, now_s)
+
+    def view(self, now_s: float, num_wanted_blocks: int) -> ResidencyView:
+        parked = tuple(
+            ParkedSession(s.session_id, s.residency, self._num_blocks(s), s.num_computed_tokens,
+                          s.parked_s if s.parked_s is not None else now_s,
+                          self.predictor.predict(s.waiting_tools, s.wait_hint_s))
+            for s in self.sessions.values()
+            if s.state is SessionState.PARKED and s.residency is not Residency.NONE)
+        wanted = num_wanted_blocks + sum(self._num_blocks(self.sessions[sid]) for sid in self._pending_restore)
+        mover = self.mover
+        return ResidencyView(
+            now_s=now_s, parked=parked, num_device_blocks=self.kv.pool.num_blocks,
+            num_free_device_blocks=self.kv.num_free_blocks, num_wanted_device_blocks=wanted,
+            num_free_host_blocks=mover.num_free_blocks(Tier.HOST) if mover else 0,
+            num_free_disk_blocks=mover.num_free_blocks(Tier.DISK) if mover else 0, costs=self.costs)
+
+    @property
+    def num_blocked(self) -> int:
+        return len(self._blocked)
+
+    def residency_counts(self) -> dict[str, int]:
+        """Parked sessions per residency (plus running), for metrics."""
+        counts: dict[str, int] = {}
+        for s in self.sessions.values():
+            key = "running" if s.state is SessionState.RUNNING else s.residency.value
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _num_blocks(self, session: Session) -> int:
+        return self.kv.blocks_needed(session.num_computed_tokens)
+
+    def _adopt(self, session: Session, seq: Sequence) -> None:
+        """Give the session's device blocks to its running turn."""
+        self.kv.rename(session.kv_key, seq.request_id)
+        seq.num_computed_tokens = session.num_computed_tokens
+        seq.is_blocked = False
+
+    def _block(self, session: Session, seq: Sequence, now_s: float) -> None:
+        seq.is_blocked = True
+        self._blocked[session.session_id] = (seq, now_s)
+
+    def _start_restore(self, session: Session) -> None:
+        assert self.mover is not None
+        n = self._num_blocks(session)
+        if self.kv.allocate(session.kv_key, session.num_computed_tokens) is None:
+            self._pending_restore.add(session.session_id)  # retried each tick; the policy sees the demand
+            return
+        self._pending_restore.discard(session.session_id)
+        session.residency = Residency.RESTORING
+        self.mover.restore(session.session_id, self.kv.block_tables[session.kv_key][:n])
+
+    def _note_drop(self, session: Session) -> None:
+        self._dropped_tokens[session.session_id] = session.num_computed_tokens
+        session.num_computed_tokens = 0
+        session.residency = Residency.NONE
+        session.stored_tier = None
+
+    def apply(self, action: ResidencyAction, now_s: float) -> None:
+        """Carry out one residency action (the policy's, or an operator's). Ignored if not applicable."""
+        self._apply(action, now_s)
+
+    def _apply(self, action: ResidencyAction, now_s: float) -> None:
+        session = self.sessions.get(action.session_id)
+        if session is None or session.state is not SessionState.PARKED:
+            return
+        if action.kind is ActionKind.DROP and session.residency in (Residency.DEVICE, Residency.HOST, Residency.DISK):
+            self.kv.commit_full_blocks(session.kv_key, session.token_ids, session.num_computed_tokens)
+            self.kv.free(session.kv_key)  # full blocks stay in the prefix cache until evicted
+            if self.mover is not None:
+                self.mover.discard(session.session_id)
+            self._note_drop(session)
+        elif action.kind is ActionKind.OFFLOAD and session.residency is Residency.DEVICE and self.mover is not None:
+            n = self._num_blocks(session)
+            blocks = self.kv.block_tables.get(session.kv_key, [])[:n]
+            if blocks and self.mover.offload(session.session_id, blocks, action.tier or Tier.HOST):
+                session.residency = Residency.OFFLOADING
+                session.stored_tier = action.tier or Tier.HOST
+        elif action.kind is ActionKind.PREFETCH and session.residency in (Residency.HOST, Residency.DISK):
+            self._start_restore(session)
+            if session.residency is Residency.RESTORING:
+                session.is_prefetched = True
+
+    def _on_move_done(self, done: MoveDone, now_s: float) -> None:
+        session = self.sessions.get(done.session_id)
+        if session is None:
+            return
+        if done.kind is MoveKind.OFFLOAD:
+            if session.residency is not Residency.OFFLOADING:
+                return  # resumed meanwhile: the copy was discarded, device blocks kept
+            if done.ok:
+                self.kv.commit_full_blocks(session.kv_key, session.token_ids, session.num_computed_tokens)
+                self.kv.free(session.kv_key)
+                session.residency = Residency.HOST if done.tier is Tier.HOST else Residency.DISK
+                session.stats.num_offloaded_bytes += done.num_bytes
+            else:
+                self.num_failed_offloads += 1
+                session.residency = Residency.DEVICE  # still held; the policy may drop it next
+                session.stored_tier = None
+            return
+        # Restore.
+        if session.residency is not Residency.RESTORING:
+            return
+        if done.ok:
+            session.residency = Residency.DEVICE
+            session.stored_tier = None
+            session.stats.num_restored_bytes += done.num_bytes
+            self.kv.commit_full_blocks(session.kv_key, session.token_ids, session.num_computed_tokens)
+        else:
+            # Corrupt or unreadable copy: recompute from the tokens, never use the bad data.
+            self.num_corrupt_restores += 1
+            self.kv.free(session.kv_key)
+            self._note_drop(session)
+        blocked = self._blocked.pop(session.session_id, None)
+        if blocked is not None:
+            seq, since_s = blocked
+            session.stats.restore_blocked_s += now_s - since_s
+            if session.residency is Residency.DEVICE:
+                self._adopt(session, seq)
+            seq.is_blocked = False
+            session.is_prefetched = False
