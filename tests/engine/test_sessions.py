@@ -200,3 +200,42 @@ def test_session_errors(tiny_llama: Path, tmp_path: Path) -> None:
         eng.add_request([8], GREEDY, session_id=sid)
     eng.close_session(sid)
     assert_clean(eng)
+
+
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.DISK])
+def test_close_or_resume_mid_move_leaks_nothing(tiny_llama: Path, tmp_path: Path, tier: Tier) -> None:
+    eng = make_engine(tiny_llama, tmp_path)
+    ts = turns(16)
+    # Closed while offloading.
+    a = eng.open_session()
+    run_to_end(eng, eng.add_request(ts[0], GREEDY, session_id=a))
+    eng.sessions.apply(ResidencyAction(ActionKind.OFFLOAD, a, tier), time.monotonic())
+    assert eng.get_session(a).residency is Residency.OFFLOADING
+    eng.close_session(a)
+    # Closed while restoring.
+    b = eng.open_session()
+    run_to_end(eng, eng.add_request(ts[1], GREEDY, session_id=b))
+    move(eng, b, "disk" if tier is Tier.DISK else "host")
+    eng.sessions.apply(ResidencyAction(ActionKind.PREFETCH, b), time.monotonic())
+    assert eng.get_session(b).residency is Residency.RESTORING
+    eng.close_session(b)
+    # Resumed while offloading: keeps the device copy, output unchanged.
+    c = eng.open_session()
+    first = run_to_end(eng, eng.add_request(ts[0], GREEDY, session_id=c))
+    eng.sessions.apply(ResidencyAction(ActionKind.OFFLOAD, c, tier), time.monotonic())
+    second = run_to_end(eng, eng.add_request(ts[1], GREEDY, session_id=c))
+    # Aborted while its KV is being restored: the session stays usable.
+    move(eng, c, "disk" if tier is Tier.DISK else "host")
+    rid = eng.add_request(ts[2], GREEDY, session_id=c)
+    assert eng.abort(rid)
+    third = run_to_end(eng, eng.add_request(ts[2], GREEDY, session_id=c))
+    ref = make_engine(tiny_llama, tmp_path / "ref", host_kv_bytes=0, disk_kv_bytes=0)
+    r = ref.open_session()
+    assert [run_to_end(ref, ref.add_request(t, GREEDY, session_id=r)) for t in ts[:3]] == [first, second, third]
+    eng.close_session(c)
+    for _ in range(400):
+        eng.sessions.tick(time.monotonic(), 0)
+        if not eng.sessions.num_moves_pending:
+            break
+        time.sleep(0.005)
+    assert_clean(eng)

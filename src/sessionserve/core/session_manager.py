@@ -36,6 +36,7 @@ class SessionManager:
         self._blocked: dict[str, tuple[Sequence, float]] = {}  # session id -> (turn waiting for its KV, since)
         self._pending_restore: set[str] = set()  # restores waiting for device blocks
         self._dropped_tokens: dict[str, int] = {}  # session id -> computed tokens lost by a drop
+        self._zombies: dict[str, str] = {}  # closed session id -> key of device blocks a restore still writes
         self.num_expired = 0
         self.num_corrupt_restores = 0
         self.num_failed_offloads = 0
@@ -100,7 +101,12 @@ class SessionManager:
         session = self.sessions.get(seq.session_id or "")
         if session is None or session.request_id != seq.request_id:
             return None
-        self._blocked.pop(session.session_id, None)
+        if self._blocked.pop(session.session_id, None) is not None:
+            # Aborted while its KV was still coming back: the turn never ran, the session is as it was.
+            session.request_id = None
+            session.state = SessionState.PARKED
+            session.parked_s = session.last_active_s = now_s
+            return session
         session.stats.num_computed_prompt_tokens += max(0, seq.num_prompt_tokens - (seq.num_cached_tokens or 0))
         dropped = self._dropped_tokens.pop(session.session_id, 0)
         session.stats.num_recompute_tokens += max(0, dropped - (seq.num_cached_tokens or 0))
@@ -130,7 +136,13 @@ class SessionManager:
         if session is None:
             return False
         session.state = SessionState.CLOSED
-        self.kv.free(session.kv_key)
+        if session.residency is Residency.RESTORING:
+            # The mover is still writing these device blocks: free them only when it is done.
+            zombie = f"closed:{session_id}"
+            self.kv.rename(session.kv_key, zombie)
+            self._zombies[session_id] = zombie
+        else:
+            self.kv.free(session.kv_key)
         if self.mover is not None:
             self.mover.discard(session_id)
         self._blocked.pop(session_id, None)
@@ -173,6 +185,12 @@ class SessionManager:
     @property
     def num_blocked(self) -> int:
         return len(self._blocked)
+
+    @property
+    def num_moves_pending(self) -> int:
+        """Sessions with a move in flight (or blocks held for one): nonzero means not yet quiescent."""
+        return len(self._zombies) + sum(
+            1 for s in self.sessions.values() if s.residency in (Residency.OFFLOADING, Residency.RESTORING))
 
     def residency_counts(self) -> dict[str, int]:
         """Parked sessions per residency (plus running), for metrics."""
@@ -239,6 +257,9 @@ class SessionManager:
                 session.is_prefetched = True
 
     def _on_move_done(self, done: MoveDone, now_s: float) -> None:
+        zombie = self._zombies.pop(done.session_id, None)
+        if zombie is not None and done.kind is MoveKind.RESTORE:
+            self.kv.free(zombie)
         session = self.sessions.get(done.session_id)
         if session is None:
             return

@@ -1,1 +1,1 @@
-
+"""Agent workloads: trace schema, loaders for public traces, replay."""

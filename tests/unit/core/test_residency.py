@@ -1,0 +1,112 @@
+"""Residency policies as pure functions of a view: no engine, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from sessionserve.core.residency import (ActionKind, MoveCosts, ParkedSession, ResidencyView, make_policy)
+from sessionserve.core.session import Residency, Tier
+from sessionserve.core.wait_predictor import WaitPrediction
+
+COSTS = MoveCosts(host_s_per_block=0.001, disk_s_per_block=0.01, recompute_s_per_token=0.001)
+
+
+def parked(sid: str, *, blocks: int = 10, parked_s: float = 0.0, p50: float = 5.0,
+           residency: Residency = Residency.DEVICE) -> ParkedSession:
+    return ParkedSession(sid, residency, blocks, blocks * 16, parked_s, WaitPrediction(p50 / 4, p50, p50 * 4, 10))
+
+
+def view(sessions, *, now: float = 1.0, free: int = 50, total: int = 100, wanted: int = 0,
+         host: int = 1000, disk: int = 1000) -> ResidencyView:
+    return ResidencyView(now, tuple(sessions), total, free, wanted, host, disk, COSTS)
+
+
+def kinds(actions) -> dict[str, ActionKind]:
+    return {a.session_id: a.kind for a in actions}
+
+
+def test_unknown_policy_name() -> None:
+    with pytest.raises(ValueError, match="unknown residency policy"):
+        make_policy("lru")
+
+
+def test_discard_drops_every_parked_session_on_device() -> None:
+    acts = make_policy("discard").decide(view([parked("a"), parked("b", residency=Residency.HOST)]))
+    assert kinds(acts) == {"a": ActionKind.DROP}
+
+
+def test_keep_does_nothing_without_pressure_and_drops_oldest_under_it() -> None:
+    keep = make_policy("keep")
+    sessions = [parked("old", parked_s=0.0), parked("new", parked_s=0.5)]
+    assert keep.decide(view(sessions)) == ()
+    acts = keep.decide(view(sessions, free=0, wanted=5))
+    assert kinds(acts) == {"old": ActionKind.DROP}
+
+
+def test_ttl_drops_after_its_time_to_live() -> None:
+    ttl = make_policy("ttl")
+    s = parked("a", parked_s=0.0, p50=2.0)  # ttl = 1.5 * 2 = 3 s
+    assert ttl.decide(view([s], now=2.9)) == ()
+    assert kinds(ttl.decide(view([s], now=3.1))) == {"a": ActionKind.DROP}
+
+
+def test_least_waste_keeps_short_waits_and_swaps_long_ones() -> None:
+    lw = make_policy("least-waste")
+    short = parked("short", p50=0.01)
+    long = parked("long", p50=100.0)
+    acts = lw.decide(view([short, long]))
+    assert kinds(acts) == {"long": ActionKind.OFFLOAD}
+    assert acts[0].tier is Tier.HOST
+    # No host room: a long wait is dropped instead (recompute wastes less than holding 100 s).
+    assert kinds(lw.decide(view([long], host=0))) == {"long": ActionKind.DROP}
+
+
+def test_predictive_keeps_everything_while_memory_is_plentiful() -> None:
+    assert make_policy("predictive").decide(view([parked("a", p50=100.0)], free=80)) == ()
+
+
+def test_predictive_demotes_farthest_next_use_first() -> None:
+    pol = make_policy("predictive")
+    soon, late = parked("soon", p50=1.0), parked("late", p50=60.0)
+    acts = pol.decide(view([soon, late], free=5))  # 5 below the 10% watermark
+    assert kinds(acts) == {"late": ActionKind.OFFLOAD}
+    assert acts[0].tier is Tier.HOST
+
+
+def test_predictive_uses_disk_when_host_is_full_and_drops_when_both_are() -> None:
+    pol = make_policy("predictive")
+    s = parked("a", p50=60.0)
+    acts = pol.decide(view([s], free=0, wanted=5, host=0))
+    assert acts[0].kind is ActionKind.OFFLOAD and acts[0].tier is Tier.DISK
+    assert kinds(pol.decide(view([s], free=0, wanted=5, host=0, disk=0))) == {"a": ActionKind.DROP}
+
+
+def test_predictive_prefetches_just_before_the_predicted_resume() -> None:
+    pol = make_policy("predictive")
+    s = parked("a", parked_s=0.0, p50=10.0, residency=Residency.HOST)
+    assert pol.decide(view([s], now=5.0, free=80)) == ()
+    assert kinds(pol.decide(view([s], now=9.99, free=80))) == {"a": ActionKind.PREFETCH}
+    # No room above the watermark: no prefetch.
+    assert pol.decide(view([s], now=9.99, free=12)) == ()
+
+
+def test_predictive_never_acts_on_sessions_in_flight() -> None:
+    pol = make_policy("predictive")
+    moving = [parked("o", residency=Residency.OFFLOADING, p50=100.0), parked("r", residency=Residency.RESTORING)]
+    assert pol.decide(view(moving, free=0, wanted=50)) == ()
+
+
+@pytest.mark.parametrize("name", ["discard", "keep", "ttl", "least-waste", "predictive"])
+def test_policies_free_enough_under_pressure(name: str) -> None:
+    sessions = [parked(f"s{i}", blocks=10, parked_s=i * 0.1, p50=1.0 + i) for i in range(8)]
+    acts = make_policy(name).decide(view(sessions, free=0, wanted=25))
+    freed = sum(10 for a in acts if a.kind in (ActionKind.DROP, ActionKind.OFFLOAD))
+    assert freed >= 25
+    assert len({a.session_id for a in acts}) == len(acts)  # one action per session
+
+
+def test_policies_are_deterministic() -> None:
+    sessions = [parked(f"s{i}", blocks=3 + i, parked_s=i * 0.3, p50=2.0 * i + 1) for i in range(6)]
+    for name in ("discard", "keep", "ttl", "least-waste", "predictive"):
+        v = view(sessions, free=5, wanted=20, now=4.0)
+        assert make_policy(name).decide(v) == make_policy(name).decide(v)
