@@ -239,3 +239,43 @@ def test_close_or_resume_mid_move_leaks_nothing(tiny_llama: Path, tmp_path: Path
             break
         time.sleep(0.005)
     assert_clean(eng)
+
+
+def run_many(eng: LLMEngine, num_sessions: int, seed: int) -> dict[int, list[list[int]]]:
+    """Interleaved sessions: every session takes a turn, all park, then the next round."""
+    sids = [eng.open_session() for _ in range(num_sessions)]
+    all_turns = [turns(seed + i) for i in range(num_sessions)]
+    outs: dict[int, list[list[int]]] = {i: [] for i in range(num_sessions)}
+    for k in range(3):
+        rids = {eng.add_request(all_turns[i][k], GREEDY, session_id=sid): i for i, sid in enumerate(sids)}
+        while rids:
+            for out in eng.step():
+                if out.finished and out.request_id in rids:
+                    outs[rids.pop(out.request_id)].append(out.token_ids)
+            eng.kv.check_integrity()
+            assert eng.kv.num_free_blocks >= 0
+        for sid in sids:
+            eng.park(sid, tools=("tool",), expected_wait_s=0.01)
+        time.sleep(0.02)
+    for sid in sids:
+        eng.close_session(sid)
+    return outs
+
+
+@pytest.mark.parametrize("policy", ["discard", "keep", "ttl", "least-waste", "predictive"])
+def test_every_policy_under_memory_pressure_is_exact_and_clean(tiny_llama: Path, tmp_path: Path, policy: str) -> None:
+    roomy = make_engine(tiny_llama, tmp_path / "roomy", num_blocks=256, host_kv_bytes=0, disk_kv_bytes=0)
+    want = run_many(roomy, 6, 40)
+    # 6 sessions of up to ~140 tokens (9 blocks each) in 20 blocks: most must leave the device.
+    tight = make_engine(tiny_llama, tmp_path / "tight", num_blocks=20, residency_policy=policy,
+                        host_kv_bytes=8 << 20, max_num_seqs=4)
+    assert run_many(tight, 6, 40) == want
+    for _ in range(400):
+        tight.sessions.tick(time.monotonic(), 0)
+        if not tight.sessions.num_moves_pending:
+            break
+        time.sleep(0.005)
+    assert_clean(tight)
+    host = tight.mover.host
+    assert host.used_bytes <= host.budget_bytes
+    tight.close()

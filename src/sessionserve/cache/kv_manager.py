@@ -56,6 +56,14 @@ class KVCacheManager:
             blocks.append(block)
         return PrefixHit(blocks, len(blocks) * self.block_size)
 
+    def num_blocks_required(self, request_id: str, num_total_tokens: int, hit: PrefixHit | None = None) -> int:
+        """Free blocks `allocate` would consume for this call (new ones plus revived cached ones)."""
+        table = self.block_tables.get(request_id)
+        adopt = hit.blocks if hit is not None and table is None else []
+        have = len(table) if table is not None else len(adopt)
+        num_revived = sum(1 for b in adopt if self.pool.ref_counts[b] == 0)
+        return max(0, self.blocks_needed(num_total_tokens) - have) + num_revived
+
     def allocate(self, request_id: str, num_total_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
         """Grow the request's table to hold `num_total_tokens`; adopt `hit` blocks first if given.
 

@@ -122,9 +122,12 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             if self.kv.allocate(seq.request_id, start + num_new, hit) is None:
-                have = self.kv.num_blocks_of(seq.request_id) or (len(hit.blocks) if hit else 0)
-                self.num_wanted_blocks = self.kv.blocks_needed(start + num_new) - have
-                break
+                self.num_wanted_blocks = self.kv.num_blocks_required(seq.request_id, start + num_new, hit)
+                # Queued sequences behind this one may hold blocks (resumed sessions): take them back.
+                if not self._reclaim_from_waiting(seq, self.num_wanted_blocks) or \
+                        self.kv.allocate(seq.request_id, start + num_new, hit) is None:
+                    break
+                self.num_wanted_blocks = 0
             self.waiting.popleft()
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = start
@@ -175,6 +178,24 @@ class Scheduler:
             self.kv.rename(seq.request_id, seq.kv_successor)
         else:
             self.kv.free(seq.request_id)
+
+    def _reclaim_from_waiting(self, keep: Sequence, num_blocks: int) -> bool:
+        """Free blocks held by waiting sequences (last queued first) until `num_blocks` are free.
+
+        Each one falls back to recompute (its full blocks stay in the prefix
+        cache until evicted). True if enough blocks are free now.
+        """
+        for seq in reversed(self.waiting):
+            if self.kv.num_free_blocks >= num_blocks:
+                break
+            if seq is keep or seq.is_blocked or seq.request_id not in self.kv.block_tables:
+                continue
+            self.kv.commit_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.salt)
+            self.kv.free(seq.request_id)
+            seq.num_computed_tokens = 0
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+        return self.kv.num_free_blocks >= num_blocks
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.commit_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.salt)
