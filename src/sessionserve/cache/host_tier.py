@@ -4,7 +4,7 @@ Blocks of sessions parked on a tool call are copied here from the device. The
 store is allocated once up front (pinned on CUDA so device<->host copies are
 DMA transfers, not staged) so a long-running server never fragments host
 memory or fails an allocation mid-move. Optionally the store holds int8 blocks
-plus one float32 scale per (block, layer, K/V, head), which fits ~4x as many
+plus one float32 scale per (token, layer, K/V, head), which fits ~3.8x as many
 fp32 blocks (~2x fp16) in the same budget at an error of at most absmax/254.
 """
 
@@ -44,7 +44,7 @@ class HostTier:
         # Pinning needs a CUDA runtime (it raises on CPU-only builds) and only
         # helps device<->host DMA, so it is silently off without CUDA.
         self.pin_memory = pin_memory and torch.cuda.is_available()
-        num_planes = layout.num_layers * 2 * layout.num_kv_heads  # one scale per plane
+        num_planes = layout.num_layers * 2 * layout.num_kv_heads * layout.block_size  # one scale per token vector
         if quantize_int8:
             self.stored_block_bytes = layout.block_numel + num_planes * 4  # int8 + fp32 scales
         else:
@@ -55,7 +55,7 @@ class HostTier:
         # returns zeros, not stale data of another session.
         if quantize_int8:
             self._data = torch.zeros(shape, dtype=torch.int8, pin_memory=self.pin_memory)
-            scale_shape = (self.num_blocks, layout.num_layers, 2, layout.num_kv_heads, 1, 1)
+            scale_shape = (self.num_blocks, layout.num_layers, 2, layout.num_kv_heads, layout.block_size, 1)
             self._scales: torch.Tensor | None = torch.zeros(
                 scale_shape, dtype=torch.float32, pin_memory=self.pin_memory)
         else:

@@ -107,8 +107,8 @@ def test_int8_error_within_bound() -> None:
     host.write(host_ids, original)
     back = host.read(host_ids)
     assert back.dtype == torch.float32
-    absmax = original.abs().amax(dim=(-2, -1), keepdim=True)
-    err = (back - original).abs().amax(dim=(-2, -1), keepdim=True)
+    absmax = original.abs().amax(dim=-1, keepdim=True)  # one scale per token vector
+    err = (back - original).abs().amax(dim=-1, keepdim=True)
     assert bool((err <= absmax / 254 * (1 + 1e-5)).all())
     assert float(err.max()) > 0  # it really was quantized
 
@@ -116,7 +116,7 @@ def test_int8_error_within_bound() -> None:
 def test_quantize_zero_and_nonfinite() -> None:
     zeros = torch.zeros(1, 1, 2, 1, 4, 8)
     q, scales = quantize_int8(zeros)
-    assert q.dtype == torch.int8 and scales.shape == (1, 1, 2, 1, 1, 1)
+    assert q.dtype == torch.int8 and scales.shape == (1, 1, 2, 1, 4, 1)
     assert torch.equal(dequantize_int8(q, scales, torch.float32), zeros)
     with pytest.raises(ValueError):
         quantize_int8(torch.tensor([[float("nan")]]))
@@ -140,13 +140,13 @@ def test_host_budget_is_never_exceeded() -> None:
     assert host.num_free_blocks == 2
 
 
-def test_int8_holds_about_4x_more_blocks() -> None:
+def test_int8_holds_about_3_8x_more_blocks() -> None:
     layout = KVLayout(num_layers=1, num_kv_heads=1, block_size=16, head_dim=64, dtype=torch.float32)
     budget_bytes = 10 * layout.block_bytes
     fp32 = HostTier(layout, budget_bytes)
     int8 = HostTier(layout, budget_bytes, quantize_int8=True)
     assert fp32.num_blocks == 10
-    assert int8.num_blocks >= 39 and int8.num_blocks * int8.stored_block_bytes <= budget_bytes
+    assert int8.num_blocks >= 37 and int8.num_blocks * int8.stored_block_bytes <= budget_bytes
     assert int8.try_allocate(int8.num_blocks) is not None and int8.try_allocate(1) is None
 
 
