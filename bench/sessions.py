@@ -88,8 +88,16 @@ async def replay(eng: LLMEngine, sessions: list[AgentSession], concurrency: int,
         if active == 0:
             done.set()
 
+    residency: list[dict] = []
+    next_sample = 0.0
+
     async def engine_loop() -> None:
+        nonlocal next_sample
         while not done.is_set():
+            now = time.monotonic() - t_start
+            if now >= next_sample:  # KV residency by tier over time, twice a second
+                residency.append({"t_s": round(now, 2), **eng.kv_usage()})
+                next_sample = now + 0.5
             outs = await loop.run_in_executor(pool, eng.step)
             for out in outs:
                 if out.finished and out.request_id in waiters:
@@ -110,6 +118,7 @@ async def replay(eng: LLMEngine, sessions: list[AgentSession], concurrency: int,
         "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99), **total,
         "preemptions": eng.core.scheduler.num_preemptions,
         "corrupt_restores": eng.sessions.num_corrupt_restores,
+        "residency": residency,
     }
 
 
@@ -150,6 +159,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep-residency", action="store_true", help="store residency samples in the JSON")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "sessions.json"))
     args = ap.parse_args()
 
@@ -174,6 +184,7 @@ def main() -> None:
                   f"p99 {res['ttft_p99_s']:.2f} s  recompute {res['recompute_tokens']} tok  "
                   f"hits/late/miss {res['prefetch_hits']}/{res['prefetch_late']}/{res['restore_misses']}  "
                   f"preempt {res['preemptions']} leaked {res['leaked_blocks']}", flush=True)
+            res.pop("residency") if not args.keep_residency else None
     base = statistics.median(x["sessions_per_hour"] for x in results.get("discard", results[policies[0]]))
     print("\n| policy | sessions/h (median) | vs discard | JCT p50 s | JCT p99 s | TTFT p99 s | recompute tokens |")
     print("|---|---|---|---|---|---|---|")

@@ -175,6 +175,21 @@ class LLMEngine:
         self.sessions.costs = MoveCosts(host_s or costs.host_s_per_block, disk_s or costs.disk_s_per_block,
                                         rec or costs.recompute_s_per_token)
 
+    def kv_usage(self) -> dict[str, int]:
+        """KV residency right now: blocks per tier and sessions per residency (a metrics sample)."""
+        usage = {"device_blocks_total": self.kv.pool.num_blocks,
+                 "device_blocks_used": self.kv.pool.num_used_blocks,
+                 "device_blocks_cached": self.kv.pool.num_cached_blocks,
+                 "block_bytes": self.runner.block_bytes}
+        if self.mover is not None and self.mover.host is not None:
+            usage["host_blocks_total"] = self.mover.host.num_blocks
+            usage["host_blocks_used"] = self.mover.host.num_blocks - self.mover.host.num_free_blocks
+        if self.mover is not None and self.mover.disk is not None:
+            usage["disk_bytes_used"] = self.mover.disk.used_bytes
+        for residency, n in self.sessions.residency_counts().items():
+            usage[f"sessions_{residency}"] = n
+        return usage
+
     def close(self) -> None:
         """Stop the mover and release stored KV copies."""
         if self.mover is not None:
