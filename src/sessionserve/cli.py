@@ -1,4 +1,4 @@
-"""Command line: `sessionserve make-model | generate | demo`."""
+"""Command line: `sessionserve serve | make-model | generate | demo`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,29 @@ def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - imports torch lazily
     return LLM(model=args.model, kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                dtype=args.dtype, device=args.device)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import logging
+
+    import uvicorn
+
+    from sessionserve.config import Config
+    from sessionserve.llm import resolve_model_path
+    from sessionserve.llm_engine import LLMEngine
+    from sessionserve.server.app import create_app
+    from sessionserve.server.auth import Auth
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = Config.from_env(Config.from_kwargs(
+        kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, dtype=args.dtype,
+        device=args.device, residency_policy=args.residency_policy, host_kv_bytes=args.host_kv_bytes,
+        disk_kv_bytes=args.disk_kv_bytes, spool_dir=args.spool_dir))
+    engine = LLMEngine(config, resolve_model_path(args.model))
+    app = create_app(engine, model_name=args.served_model_name, auth=Auth.from_options(args.api_key, args.keys_file),
+                     max_queued_requests=args.max_queued_requests)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -76,6 +99,21 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("make-model", help="write the embedded default model (an HF folder)", add_help=False)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", action="append", default=None, help="accepted API key (repeatable)")
+    serve.add_argument("--keys-file", default=None, help="JSON object mapping API keys to tenant names")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--residency-policy", default="predictive",
+                       choices=["discard", "keep", "ttl", "least-waste", "predictive"])
+    serve.add_argument("--host-kv-bytes", type=int, default=2 << 30)
+    serve.add_argument("--disk-kv-bytes", type=int, default=0)
+    serve.add_argument("--spool-dir", default=None)
+    serve.add_argument("--max-queued-requests", type=int, default=1024)
+    serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for prompts (arguments or stdin lines)")
     _engine_args(gen)

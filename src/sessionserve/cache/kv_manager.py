@@ -110,6 +110,31 @@ class KVCacheManager:
             if old_key in table:
                 table[new_key] = table.pop(old_key)  # type: ignore[assignment]
 
+    def trim(self, key: str, num_tokens: int) -> int:
+        """Keep KV for at most the first `num_tokens` tokens of `key`; return how many are kept.
+
+        Blocks past the cut are released. A cut inside a block that is in the
+        prefix index (full, possibly shared) drops that block too: it is
+        immutable, and the next turn would write into it.
+        """
+        table = self.block_tables.get(key)
+        if table is None:
+            return 0
+        keep_blocks = self.blocks_needed(num_tokens)
+        num_full = num_tokens // self.block_size
+        if keep_blocks > num_full and keep_blocks <= len(table) \
+                and self._num_committed.get(key, 0) > num_full:
+            keep_blocks = num_full
+        if keep_blocks < len(table):
+            self.pool.free(table[keep_blocks:])
+            del table[keep_blocks:]
+        hashes = self._hashes.get(key)
+        if hashes is not None and len(hashes) > num_full:
+            del hashes[num_full:]
+        if key in self._num_committed:
+            self._num_committed[key] = min(self._num_committed[key], len(table), num_full)
+        return min(num_tokens, keep_blocks * self.block_size)
+
     def num_blocks_of(self, key: str) -> int:
         return len(self.block_tables.get(key, ()))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sessionserve.core.guided import GuidedDecoding
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,6 +31,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Extra per-request bias on token ids (OpenAI logit_bias).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Structured output: the text must match this constraint (JSON, a schema, tool calls).
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +55,7 @@ class SamplingParams:
                "must be non-negative integers")
         _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
         _check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias", "values must be in [-100, 100]")
+        _check(self.guided is None or isinstance(self.guided, GuidedDecoding), "guided", "must be a GuidedDecoding")
 
     @property
     def is_greedy(self) -> bool:

@@ -9,13 +9,14 @@ id. No torch and no clock: `now_s` comes in with every call.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import fields
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.core.kv_mover import KVMover, MoveDone, MoveKind
 from sessionserve.core.residency import (ActionKind, MoveCosts, ParkedSession, ResidencyAction,
                                          ResidencyPolicy, ResidencyView)
 from sessionserve.core.sequence import Sequence, SequenceStatus
-from sessionserve.core.session import Residency, Session, SessionState, Tier
+from sessionserve.core.session import Residency, Session, SessionState, SessionStats, Tier
 from sessionserve.core.wait_predictor import WaitPredictor
 
 
@@ -37,6 +38,7 @@ class SessionManager:
         self._pending_restore: set[str] = set()  # restores waiting for device blocks
         self._dropped_tokens: dict[str, int] = {}  # session id -> computed tokens lost by a drop
         self._zombies: dict[str, str] = {}  # closed session id -> key of device blocks a restore still writes
+        self._closed_stats = SessionStats()  # counters of closed sessions, for totals
         self.num_expired = 0
         self.num_corrupt_restores = 0
         self.num_failed_offloads = 0
@@ -124,6 +126,28 @@ class SessionManager:
             self._note_drop(session)
         return session
 
+    def truncate(self, session: Session, num_tokens: int) -> None:
+        """Forget the session's history after `num_tokens` tokens (the client rewrote it)."""
+        if session.state is SessionState.RUNNING:
+            raise ValueError(f"session {session.session_id!r} has a turn running")
+        if num_tokens >= len(session.token_ids):
+            return
+        session.token_ids = session.token_ids[:num_tokens]
+        if session.num_computed_tokens <= num_tokens:
+            return
+        if session.residency is Residency.DEVICE:
+            session.num_computed_tokens = self.kv.trim(session.kv_key, num_tokens)
+        elif session.residency is not Residency.NONE:
+            # Off device or moving: a partial copy back is not worth it; recompute (the
+            # prefix cache may still hold the start).
+            self._apply(ResidencyAction(ActionKind.DROP, session.session_id), session.last_active_s)
+            if session.residency is not Residency.NONE:  # moving: wait for the move, then drop
+                raise ValueError(f"session {session.session_id!r} is being moved; retry")
+            self._dropped_tokens[session.session_id] = 0
+        else:
+            self._dropped_tokens[session.session_id] = min(self._dropped_tokens.get(session.session_id, 0),
+                                                           num_tokens)
+
     def set_wait(self, session_id: str, tools: tuple[str, ...] = (), wait_hint_s: float | None = None) -> None:
         """What a parked session waits on: the tools it called, and the client's expected wait."""
         session = self.sessions[session_id]
@@ -136,6 +160,8 @@ class SessionManager:
         if session is None:
             return False
         session.state = SessionState.CLOSED
+        for f in fields(SessionStats):
+            setattr(self._closed_stats, f.name, getattr(self._closed_stats, f.name) + getattr(session.stats, f.name))
         if session.residency is Residency.RESTORING:
             # The mover is still writing these device blocks: free them only when it is done.
             zombie = f"closed:{session_id}"
@@ -191,6 +217,14 @@ class SessionManager:
         """Sessions with a move in flight (or blocks held for one): nonzero means not yet quiescent."""
         return len(self._zombies) + sum(
             1 for s in self.sessions.values() if s.residency in (Residency.OFFLOADING, Residency.RESTORING))
+
+    def total_stats(self) -> SessionStats:
+        """Counters summed over every session, open or closed, since start."""
+        total = SessionStats(**{f.name: getattr(self._closed_stats, f.name) for f in fields(SessionStats)})
+        for session in self.sessions.values():
+            for f in fields(SessionStats):
+                setattr(total, f.name, getattr(total, f.name) + getattr(session.stats, f.name))
+        return total
 
     def residency_counts(self) -> dict[str, int]:
         """Parked sessions per residency (plus running), for metrics."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from sessionserve.model.decoder import DecoderModel
 from sessionserve.model.hf_config import ModelArch, load_arch
 from sessionserve.model.loader import load_weights
 from sessionserve.model.sampler import SampleRow, sample, top_logprobs
+
+if TYPE_CHECKING:  # xgrammar takes seconds to import: loaded on the first guided request
+    from sessionserve.model.structured import Constraint, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,7 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, model_config: ModelConfig, cache_config: CacheConfig,
                  max_model_len: int | None = None) -> None:
+        self.model_dir = Path(model_dir)
         self.arch: ModelArch = load_arch(model_dir)
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
@@ -67,6 +72,9 @@ class ModelRunner:
         self._generators: dict[str, tuple[Sequence, torch.Generator]] = {}
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(model_config.seed)
+        # Structured outputs: compiler built on first guided request; matcher state per request id.
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._constraints: dict[str, tuple[Sequence, Constraint]] = {}
         logger.info("loaded %s (%.1fM params) on %s/%s, %d KV blocks of %d tokens, paged kernel %s",
                     self.arch.architecture, self.arch.num_params() / 1e6, self.device, self.dtype,
                     self.num_blocks, self.block_size, "on" if self.use_kernel else "off")
@@ -75,11 +83,22 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
         input_ids, positions, meta, logits_rows, sampled_seqs = self.prepare_batch(plan)
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_rows)  # (S, V)
+        want = [i for i, seq in enumerate(sampled_seqs) if seq.sampling_params.logprobs is not None]
+        sample_logits, constraints = logits, None
+        if any(seq.sampling_params.guided is not None for seq in sampled_seqs):
+            from sessionserve.model.structured import apply_constraints
+            constraints = [self._constraint(seq) for seq in sampled_seqs]
+            if want:
+                sample_logits = logits.clone()  # logprobs stay those of the raw model
+            apply_constraints(sample_logits, constraints)
         rows = [self._sample_row(seq) for seq in sampled_seqs]
-        tokens = sample(logits, rows).tolist()
+        tokens = sample(sample_logits, rows).tolist()
+        if constraints is not None:
+            for constraint, tok in zip(constraints, tokens):
+                if constraint is not None:
+                    constraint.accept(tok)
         sampled = {seq.request_id: tok for seq, tok in zip(sampled_seqs, tokens)}
         logprobs: dict[str, dict[int, float]] = {}
-        want = [i for i, seq in enumerate(sampled_seqs) if seq.sampling_params.logprobs is not None]
         if want:
             num = max(sampled_seqs[i].sampling_params.logprobs or 0 for i in want)
             idx = torch.tensor(want, device=logits.device)
@@ -166,6 +185,25 @@ class ModelRunner:
     def _drop_finished_generators(self) -> None:
         for rid in [rid for rid, (s, _) in self._generators.items() if s.is_finished]:
             del self._generators[rid]
+
+    def _constraint(self, seq: Sequence) -> Constraint | None:
+        """The grammar state of a guided request, created on its first sample and kept across preemption."""
+        guided = seq.sampling_params.guided
+        if guided is None:
+            return None
+        entry = self._constraints.get(seq.request_id)
+        if entry is None or entry[0] is not seq:
+            for rid in [rid for rid, (s, _) in self._constraints.items() if s.is_finished]:
+                del self._constraints[rid]
+            if self._grammar_compiler is None:
+                from sessionserve.model.structured import GrammarCompiler
+                self._grammar_compiler = GrammarCompiler(self.model_dir)
+            constraint = self._grammar_compiler.constraint(guided, seq.sampling_params.stop_token_ids)
+            entry = self._constraints[seq.request_id] = (seq, constraint)
+        constraint = entry[1]
+        if constraint.num_seen_tokens != seq.num_output_tokens:
+            constraint.sync(seq.output_token_ids)  # tokens that reached the output without `accept`
+        return constraint
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

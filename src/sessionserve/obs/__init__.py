@@ -1,1 +1,1 @@
-
+"""Observability: Prometheus metrics and tracing."""

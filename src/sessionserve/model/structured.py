@@ -1,0 +1,256 @@
+"""Structured outputs on the model side: compile `GuidedDecoding` constraints with xgrammar and mask logits.
+
+`GrammarCompiler` builds xgrammar's view of the tokenizer straight from
+`tokenizer.json` (no transformers at serve time) and compiles constraints,
+cached by spec. A `Constraint` is one request's grammar state; each step
+`apply_constraints` fills one token bitmask for the constrained rows of the
+batch and applies it to the logits in place (a C++ fill per row, a vectorised
+apply for the batch: no Python loop over the vocabulary).
+
+Tool calls use the chat template's format: blocks of
+`<tool_call>\\n{"name": "<NAME>", "arguments": <ARGS>}\\n</tool_call>`
+separated by "\\n", the markers matched as their dedicated tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+import xgrammar as xgr
+from tokenizers import Tokenizer as _HFTokenizer
+
+from sessionserve.core.guided import GuidedDecoding
+from sessionserve.model.hf_config import load_arch
+
+logger = logging.getLogger(__name__)
+
+TOOL_CALL_BEGIN = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+_CACHE_MAX_ENTRIES = 256
+
+
+class GrammarCompiler:
+    """xgrammar tokenizer info and compiler for one model folder, with a cache of compiled grammars."""
+
+    def __init__(self, model_dir: str | Path, stop_token_ids: tuple[int, ...] | None = None,
+                 max_threads: int = 8) -> None:
+        path = Path(model_dir)
+        arch = load_arch(path)
+        tokenizer_json = (path / "tokenizer.json").read_text()
+        self._tok = _HFTokenizer.from_str(tokenizer_json)
+        # The mask must cover the model's logits, which may be wider than the tokenizer.
+        self.vocab_size = arch.vocab_size
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        encoded = [""] * self.vocab_size
+        for token, token_id in self._tok.get_vocab(with_added_tokens=True).items():
+            if token_id < self.vocab_size:
+                # An empty string makes xgrammar treat the id as special: never grammar text
+                # (`<|im_start|>` must not appear spelled inside a JSON string). Stop ids stay usable.
+                encoded[token_id] = "" if token in special else token
+        stops = list(stop_token_ids or arch.eos_token_ids or self._eos_from_config(path))
+        if not stops:
+            raise ValueError(f"{path}: no EOS token ids; structured outputs need one to end")
+        vocab_type, add_prefix_space = _detect_vocab_type(tokenizer_json)
+        self.tokenizer_info = xgr.TokenizerInfo(encoded, vocab_type, vocab_size=self.vocab_size,
+                                                stop_token_ids=stops, add_prefix_space=add_prefix_space)
+        self.stop_token_ids = tuple(self.tokenizer_info.stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.marker_token_ids = tuple(i for i in map(self._single_token, (TOOL_CALL_BEGIN, TOOL_CALL_END))
+                                      if i is not None)
+
+    def compile(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
+        """The compiled grammar for `guided` (cached). Raises ValueError for a spec xgrammar rejects."""
+        key = (guided.kind, guided.spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        try:
+            compiled = self._compile(guided)
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports bad specs as these
+            raise ValueError(f"cannot compile {guided.kind} constraint: {exc}") from None
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > _CACHE_MAX_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def constraint(self, guided: GuidedDecoding, stop_token_ids: tuple[int, ...] = ()) -> Constraint:
+        """A fresh per-request matcher; `stop_token_ids` (if any) replace the model's EOS ids as enders."""
+        return Constraint(self, self.compile(guided), stop_token_ids,
+                          guard_markers=guided.kind == "tool_calls")
+
+    def bitmask(self, num_rows: int) -> torch.Tensor:
+        """A reusable (num_rows, ceil(vocab / 32)) int32 CPU bitmask; rows are overwritten by fills."""
+        if self._bitmask.shape[0] < num_rows:
+            self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 2 * self._bitmask.shape[0]), self.vocab_size)
+        return self._bitmask[:num_rows]
+
+    def _compile(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
+        # Compact separators (", ", ": ", as json.dumps and the chat template's tojson) keep the
+        # output canonical and bounded: free whitespace lets a weak model pad without end.
+        if guided.kind == "json_object":
+            return self._compiler.compile_json_schema({"type": "object"}, any_whitespace=False,
+                                                      strict_mode=False)
+        if guided.kind == "json_schema":
+            return self._compiler.compile_json_schema(guided.spec, any_whitespace=False)
+        if guided.kind == "regex":
+            return self._compiler.compile_regex(guided.spec)
+        if guided.kind == "tool_calls":
+            return self._compiler.compile_structural_tag(json.dumps(self.tool_calls_structural_tag(guided)))
+        raise ValueError(f"unknown guided decoding kind {guided.kind!r}")
+
+    def tool_calls_structural_tag(self, guided: GuidedDecoding) -> dict[str, Any]:
+        """xgrammar structural tag for `guided` (kind tool_calls): one or more tool-call blocks."""
+        spec = guided.spec_value()
+        tags = []
+        for tool in guided.allowed_tools():
+            head = '\n{"name": ' + json.dumps(tool["name"], ensure_ascii=False) + ', "arguments": '
+            # The arguments as EBNF from xgrammar's schema converter: compact separators like the
+            # template's tojson (the structural tag's own json_schema format allows free whitespace).
+            args = str(xgr.Grammar.from_json_schema(tool["parameters"], any_whitespace=False))
+            tags.append({"type": "tag", "begin": self._marker(TOOL_CALL_BEGIN),
+                         "content": {"type": "sequence", "elements": [
+                             {"type": "const_string", "value": head},
+                             {"type": "grammar", "grammar": args},
+                             {"type": "const_string", "value": "}\n"}]},
+                         "end": self._marker(TOOL_CALL_END)})
+        return {"type": "structural_tag",
+                "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+                           "at_least_one": True, "stop_after_first": not spec["parallel"]}}
+
+    def _single_token(self, text: str) -> int | None:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ids[0] if len(ids) == 1 and self._tok.id_to_token(ids[0]) == text else None
+
+    def _marker(self, text: str) -> str | dict[str, Any]:
+        # Match the marker as the one token the model emits (and parsers may look for by id),
+        # not as any spelling of its text; fall back to text when it is not a single token.
+        token_id = self._single_token(text)
+        return text if token_id is None else {"type": "token", "token": token_id}
+
+    def _eos_from_config(self, path: Path) -> tuple[int, ...]:
+        cfg_path = path / "tokenizer_config.json"
+        if not cfg_path.is_file():
+            return ()
+        eos = json.loads(cfg_path.read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        token_id = self._tok.token_to_id(eos) if isinstance(eos, str) else None
+        return () if token_id is None else (token_id,)
+
+
+class Constraint:
+    """One request's position in its grammar: fills its mask row, advances on each sampled token."""
+
+    __slots__ = ("compiler", "guard_markers", "num_seen_tokens", "_matcher", "_stop_ids")
+
+    def __init__(self, compiler: GrammarCompiler, compiled: xgr.CompiledGrammar,
+                 stop_token_ids: tuple[int, ...] = (), guard_markers: bool = False) -> None:
+        self.compiler = compiler
+        # Tool-call markers are allowed only where the grammar wants nothing else (see apply_constraints).
+        self.guard_markers = guard_markers
+        override = sorted(set(compiler.stop_token_ids) | set(stop_token_ids)) if stop_token_ids else None
+        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=override)
+        self._stop_ids = tuple(override or compiler.stop_token_ids)
+        # Output tokens offered to `accept` (accepted or not): kept equal to the sequence's
+        # output length, so a missed token can be detected and replayed (`sync`).
+        self.num_seen_tokens = 0
+
+    @property
+    def is_terminated(self) -> bool:
+        """A stop token was accepted: only stop tokens may follow."""
+        return bool(self._matcher.is_terminated())
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the allowed next tokens into `bitmask[row]`; False when every token is allowed."""
+        if self._matcher.is_terminated():
+            # xgrammar refuses to fill after its stop token (e.g. ignore_eos kept going): stops only.
+            bitmask[row].zero_()
+            for token_id in self._stop_ids:
+                word, bit = divmod(token_id, 32)
+                bitmask[row, word] |= _int32_bit(bit)
+            return True
+        return bool(self._matcher.fill_next_token_bitmask(bitmask, row))
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past the sampled token; False (and a warning) if the grammar does not allow it."""
+        self.num_seen_tokens += 1
+        if self._matcher.is_terminated():
+            return token_id in self._stop_ids
+        ok = bool(self._matcher.accept_token(token_id))
+        if not ok:
+            logger.warning("structured output: token %d is outside the grammar; constraint state kept", token_id)
+        return ok
+
+    def sync(self, output_token_ids: list[int]) -> None:
+        """Accept output tokens this constraint has not seen (e.g. ones appended without `accept`)."""
+        for token_id in output_token_ids[self.num_seen_tokens:]:
+            self.accept(token_id)
+
+
+def apply_constraints(logits: torch.Tensor, constraints: list[Constraint | None]) -> None:
+    """Mask `logits` (S, V) in place: row i keeps only the tokens `constraints[i]` allows (None: untouched)."""
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    if not rows:
+        return
+    compiler = constraints[rows[0]].compiler  # type: ignore[union-attr]
+    bitmask = compiler.bitmask(len(constraints))
+    masked = [i for i in rows if constraints[i].fill_mask(bitmask, i)]  # type: ignore[union-attr]
+    if not masked:
+        return
+    guarded = [i for i in masked if constraints[i].guard_markers]  # type: ignore[union-attr]
+    if guarded and compiler.marker_token_ids:
+        _markers_only_alone(bitmask, guarded, compiler.marker_token_ids)
+    vocab_size = min(logits.shape[-1], compiler.vocab_size)
+    if logits.device.type == "cpu":
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=masked)
+        return
+    device_mask = bitmask.to(logits.device, non_blocking=True)
+    try:
+        xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=vocab_size, indices=masked)
+    except ImportError:  # no triton on this install: xgrammar's plain-torch kernel
+        xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=vocab_size, indices=masked,
+                                        backend="torch_native")
+
+
+def _markers_only_alone(bitmask: torch.Tensor, rows: list[int], marker_ids: tuple[int, ...]) -> None:
+    """Clear the marker tokens' bits in `rows` that allow any other token too.
+
+    Markers such as `<tool_call>` are ordinary text to xgrammar, so a JSON string may
+    contain them, which would break parsers that split on them. The tool-call grammar
+    wants a marker only where it is the sole choice (begin after start or "\n", end
+    after "}\n"), so a row that allows a marker among others is inside a string.
+    """
+    index = torch.tensor(rows, dtype=torch.long)
+    without = bitmask[index]  # (k, W) copy
+    for token_id in marker_ids:
+        word, bit = divmod(token_id, 32)
+        without[:, word] &= ~_int32_bit(bit)
+    others = without.any(dim=1)
+    if bool(others.any()):
+        bitmask[index[others]] = without[others]
+
+
+def _int32_bit(bit: int) -> int:
+    # Bit 31 of an int32 word is its sign bit.
+    return (1 << bit) - (1 << 32 if bit == 31 else 0)
+
+
+def _detect_vocab_type(tokenizer_json: str) -> tuple[xgr.VocabType, bool]:
+    """(vocab type, add_prefix_space) of a tokenizer.json, as xgrammar's HF loader detects them."""
+    try:
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
+        return meta["vocab_type"], bool(meta["add_prefix_space"])
+    except Exception:  # private xgrammar helper: fall back to what our byte-level BPE needs
+        logger.warning("xgrammar could not detect the vocab type; assuming byte-level BPE")
+        return xgr.VocabType.BYTE_LEVEL, False

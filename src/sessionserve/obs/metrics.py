@@ -1,0 +1,81 @@
+"""Prometheus metrics of one server: latency histograms, queue and KV gauges, token counters.
+
+Each server owns its registry (tests run several in one process). Request
+figures are recorded by the server as requests finish; engine gauges are
+sampled in the engine thread after steps.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["model"]
+        self.model = model_name
+        self.ttft = Histogram("sessionserve_time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("sessionserve_time_per_output_token_seconds", "Time per output token after the first",
+                              labels, buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0), registry=r)
+        self.e2e = Histogram("sessionserve_e2e_request_latency_seconds", "End-to-end request latency", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("sessionserve_requests", "Finished requests", labels + ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("sessionserve_prompt_tokens", "Prompt tokens received", labels, registry=r)
+        self.cached_tokens = Counter("sessionserve_cached_prompt_tokens", "Prompt tokens not recomputed", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("sessionserve_generation_tokens", "Tokens generated", labels, registry=r)
+        self.errors = Counter("sessionserve_request_errors", "Requests answered with an error", ["status"],
+                              registry=r)
+        self.queue_depth = Gauge("sessionserve_num_requests_waiting", "Requests waiting to run", registry=r)
+        self.running = Gauge("sessionserve_num_requests_running", "Requests running", registry=r)
+        self.sessions = Gauge("sessionserve_sessions", "Open sessions by state/residency", ["residency"], registry=r)
+        self.kv_blocks = Gauge("sessionserve_kv_blocks", "KV blocks in use by tier", ["tier"], registry=r)
+        self.prefix_hit_rate = Gauge("sessionserve_prefix_cache_hit_rate", "Prefix cache hit rate (tokens)",
+                                     registry=r)
+        self.recompute_tokens = Gauge("sessionserve_session_recompute_tokens", "Tokens recomputed after drops",
+                                      registry=r)
+        self.prefetch = Gauge("sessionserve_session_restores", "Session KV restores by outcome", ["outcome"],
+                              registry=r)
+        self.step_seconds = Histogram("sessionserve_engine_step_seconds", "Engine step time",
+                                      buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+                                      registry=r)
+
+    def record_request(self, *, ttft_s: float | None, e2e_s: float, num_prompt: int, num_cached: int,
+                       num_output: int, finish_reason: str) -> None:
+        m = self.model
+        if ttft_s is not None:
+            self.ttft.labels(m).observe(ttft_s)
+            if num_output > 1:
+                self.tpot.labels(m).observe(max(0.0, e2e_s - ttft_s) / (num_output - 1))
+        self.e2e.labels(m).observe(e2e_s)
+        self.requests.labels(m, finish_reason).inc()
+        self.prompt_tokens.labels(m).inc(num_prompt)
+        self.cached_tokens.labels(m).inc(num_cached)
+        self.generation_tokens.labels(m).inc(num_output)
+
+    def sample_engine(self, eng, step_s: float) -> None:  # noqa: ANN001 - LLMEngine, imported lazily
+        """Gauges from the engine's state; called in the engine thread."""
+        self.step_seconds.observe(step_s)
+        sched = eng.core.scheduler
+        self.queue_depth.set(len(sched.waiting))
+        self.running.set(len(sched.running))
+        usage = eng.kv_usage()
+        self.kv_blocks.labels("device").set(usage["device_blocks_used"])
+        self.kv_blocks.labels("host").set(usage.get("host_blocks_used", 0))
+        self.kv_blocks.labels("disk").set(usage.get("disk_bytes_used", 0) // max(1, usage["block_bytes"]))
+        for key in ("running", "device", "host", "disk", "offloading", "restoring", "none"):
+            self.sessions.labels(key).set(usage.get(f"sessions_{key}", 0))
+        q, hit, _ = eng.kv.pool.stats()
+        self.prefix_hit_rate.set(hit / q if q else 0.0)
+        total = eng.sessions.total_stats()
+        self.recompute_tokens.set(total.num_recompute_tokens)
+        self.prefetch.labels("hit").set(total.num_prefetch_hits)
+        self.prefetch.labels("late").set(total.num_prefetch_late)
+        self.prefetch.labels("miss").set(total.num_restore_misses)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

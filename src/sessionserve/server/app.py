@@ -1,0 +1,151 @@
+"""The FastAPI application: auth, errors, health, metrics, models; the OpenAI and session routes.
+
+`create_app(engine, ...)` wires an `LLMEngine` behind the async bridge. Every
+error leaves as OpenAI's error JSON with the right status code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sessionserve.llm_engine import LLMEngine
+from sessionserve.obs.metrics import Metrics
+from sessionserve.server.auth import Auth
+from sessionserve.server.bridge import AsyncEngine, EngineDead, EngineOverloaded
+from sessionserve.server.protocol import OpenAIError, format_validation_errors
+
+logger = logging.getLogger("sessionserve.server")
+
+
+@dataclass
+class ServerState:
+    engine: LLMEngine
+    bridge: AsyncEngine
+    auth: Auth
+    metrics: Metrics
+    model_name: str
+    created: int
+    max_request_bytes: int
+    max_sessions_per_tenant: int
+
+
+def create_app(engine: LLMEngine, *, model_name: str | None = None, auth: Auth | None = None,
+               max_queued_requests: int = 1024, max_request_bytes: int = 8 << 20,
+               max_sessions_per_tenant: int = 1000) -> FastAPI:
+    name = model_name or engine.model_dir.name
+    metrics = Metrics(name)
+    bridge = AsyncEngine(engine, max_queued_requests=max_queued_requests, on_step=metrics.sample_engine)
+    state = ServerState(engine, bridge, auth or Auth(), metrics, name, int(time.time()), max_request_bytes,
+                        max_sessions_per_tenant)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        bridge.start()
+        yield
+        await bridge.shutdown()
+
+    app = FastAPI(title="sessionserve", version="0.1.0", lifespan=lifespan)
+    app.state.ss = state
+
+    @app.middleware("http")
+    async def request_context(request: Request, call_next):  # noqa: ANN001, ANN202
+        request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        path = request.url.path
+        if path.startswith("/v1/"):
+            tenant = state.auth.tenant_for(request.headers.get("authorization"))
+            if tenant is None:
+                return error_response(OpenAIError(401, "Invalid or missing API key.", "authentication_error",
+                                                  code="invalid_api_key"), state)
+            request.state.tenant = tenant
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > state.max_request_bytes:
+                return error_response(OpenAIError(413, f"Request body over {state.max_request_bytes} bytes.",
+                                                  "invalid_request_error", code="request_too_large"), state)
+        response = await call_next(request)
+        response.headers["x-request-id"] = request.state.request_id
+        return response
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc, state)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(format_validation_errors(exc.errors()), state)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(OpenAIError(exc.status_code, str(exc.detail), kind), state)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request %s failed", getattr(request.state, "request_id", "?"))
+        return error_response(OpenAIError(500, "Internal server error.", "server_error"), state)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not bridge.is_alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "sessionserve",
+                                            "max_model_len": engine.max_model_len}]}
+
+    from sessionserve.server.routes_openai import register as register_openai
+    from sessionserve.server.routes_sessions import register as register_sessions
+
+    register_openai(app, state)
+    register_sessions(app, state)
+    return app
+
+
+def error_response(exc: OpenAIError, state: ServerState) -> JSONResponse:
+    state.metrics.errors.labels(str(exc.status_code)).inc()
+    headers = {"retry-after": "1"} if exc.status_code == 429 else None
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OpenAIError(400, f"Request body is not valid JSON: {exc}", "invalid_request_error") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "Request body must be a JSON object.", "invalid_request_error")
+    return body
+
+
+def engine_error(exc: Exception) -> OpenAIError:
+    """Map bridge/engine exceptions to OpenAI errors."""
+    if isinstance(exc, EngineOverloaded):
+        return OpenAIError(429, "The server is busy; retry shortly.", "rate_limit_error", code="overloaded")
+    if isinstance(exc, EngineDead):
+        return OpenAIError(503, str(exc), "server_error", code="unavailable")
+    if isinstance(exc, PermissionError):
+        return OpenAIError(404, "Session not found.", "not_found_error", param="session_id")
+    if isinstance(exc, ValueError):
+        msg = str(exc)
+        status = 409 if "already has a turn" in msg or "being moved" in msg else 400
+        return OpenAIError(status, msg, "invalid_request_error")
+    return OpenAIError(500, "Internal server error.", "server_error")

@@ -1,0 +1,200 @@
+"""The async bridge: the engine runs in its own thread; coroutines submit work and await outputs.
+
+The event loop never blocks on compute. Requests and session commands go to
+the engine thread through one queue and are applied between steps; each
+request's outputs come back on its own asyncio queue. A failure inside a step
+fails the requests of that step and the engine goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sessionserve.core.sampling_params import SamplingParams
+from sessionserve.llm_engine import LLMEngine, RequestOutput
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineOverloaded(Exception):
+    """Too many requests queued; the client should retry later."""
+
+
+class EngineDead(Exception):
+    """The engine thread is not running."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    request_id: str
+
+
+class AsyncEngine:
+    """Runs `LLMEngine.step()` in a dedicated thread; thread-safe, awaitable API."""
+
+    def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024, idle_tick_s: float = 0.02,
+                 on_step: Callable[[LLMEngine, float], None] | None = None) -> None:
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.idle_tick_s = idle_tick_s
+        self.on_step = on_step  # metrics hook, called in the engine thread after each step
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stop = threading.Event()
+        self._draining = False
+        self.num_step_errors = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop taking requests, let in-flight ones finish (up to the timeout), stop the thread."""
+        self._draining = True
+        deadline = time.monotonic() + drain_timeout_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self._streams):
+            await self.abort(rid)
+        self._stop.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+        self.engine.close()
+
+    # -- API ---------------------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` in the engine thread between steps; return its result or raise its error."""
+        if not self.is_alive:
+            raise EngineDead("the engine is not running")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._commands.put(run)
+        return await fut
+
+    async def generate(self, prompt: list[int] | Callable[[LLMEngine], list[int]], params: SamplingParams,
+                       request_id: str, session_id: str | None = None, salt: bytes = b"",
+                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs (one per engine step it advanced) until it finishes.
+
+        `prompt` may be a function of the engine, run in the engine thread
+        right before the request is added (a session turn works out its new
+        tokens there). Raises ValueError for bad input, EngineOverloaded when
+        the queue is full. If the consumer stops iterating (client gone), the
+        request is aborted and its blocks freed.
+        """
+        if self._draining or not self.is_alive:
+            raise EngineDead("the server is shutting down")
+        if len(self._streams) >= self.max_queued_requests:
+            raise EngineOverloaded(f"{len(self._streams)} requests in flight")
+        loop = asyncio.get_running_loop()
+        out_queue: asyncio.Queue = asyncio.Queue()
+
+        def add(eng: LLMEngine) -> None:
+            ids = prompt(eng) if callable(prompt) else prompt
+            eng.add_request(ids, params, request_id=request_id, stream=stream, salt=salt, session_id=session_id)
+            self._streams[request_id] = _Stream(loop, out_queue, request_id)
+
+        await self.call(add)
+        finished = False
+        try:
+            while True:
+                item = await out_queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        def do(eng: LLMEngine) -> None:
+            self._streams.pop(request_id, None)
+            eng.abort(request_id)
+
+        if self.is_alive:
+            await self.call(do)
+
+    # -- engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            busy = eng.has_unfinished()
+            try:
+                cmd = self._commands.get(timeout=0 if busy else self.idle_tick_s)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                cmd()
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            t0 = time.perf_counter()
+            try:
+                outputs = eng.step()  # with nothing to run, this still ticks parked sessions
+            except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
+                self.num_step_errors += 1
+                logger.exception("engine step failed; failing its requests")
+                self._fail_running(exc)
+                continue
+            for out in outputs:
+                s = self._streams.get(out.request_id)
+                if s is None:
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
+            if self.on_step is not None and (outputs or busy):
+                self.on_step(eng, time.perf_counter() - t0)
+
+    def _fail_running(self, exc: Exception) -> None:
+        eng = self.engine
+        running = [s.request_id for s in eng.core.scheduler.running]
+        for rid in running:
+            eng.abort(rid)
+            s = self._streams.pop(rid, None)
+            if s is not None:
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, RuntimeError(f"engine step failed: {exc!r}"))
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,265 @@
+"""POST /v1/chat/completions and /v1/completions: OpenAI semantics over the engine, with sessions.
+
+A request with a session id (header `X-Session-ID` or body `session_id`)
+continues that session: only the tokens past what the session holds are
+prefilled, and when the reply ends in tool calls the session parks with the
+tools' names (and the client's `expected_wait_s`, if given) for the
+residency policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from sessionserve.core.guided import GuidedDecoding
+from sessionserve.core.sampling_params import SamplingParams
+from sessionserve.llm_engine import LLMEngine, RequestOutput
+from sessionserve.server import protocol as P
+from sessionserve.server.app import engine_error, read_json
+from sessionserve.server.auth import tenant_salt
+from sessionserve.server.chat import continue_session, render_chat
+from sessionserve.server.tool_parser import StreamingToolParser, parse_tool_calls
+
+if TYPE_CHECKING:
+    from sessionserve.server.app import ServerState
+
+SESSION_HEADER = "x-session-id"
+
+
+def session_key(tenant: str, session_id: str) -> str:
+    """Engine-side session id: namespaced by tenant, so tenants never see each other's sessions."""
+    return f"{tenant}/{session_id}"
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+    eng = state.engine
+
+    def check_model(model: str) -> None:
+        if model not in (state.model_name, "default"):
+            raise P.OpenAIError(404, f"The model '{model}' does not exist.", "not_found_error", param="model",
+                                code="model_not_found")
+
+    def make_params(req: Any, num_prompt: int, guided: GuidedDecoding | None) -> SamplingParams:
+        room = eng.max_model_len - num_prompt
+        if room < 1:
+            raise P.OpenAIError(400, f"This model's maximum context length is {eng.max_model_len} tokens; the "
+                                     f"prompt has {num_prompt} tokens.", "invalid_request_error", param="messages",
+                                code="context_length_exceeded")
+        kwargs = P.sampling_kwargs(req, default_max_tokens=room)
+        if kwargs["max_tokens"] > room:
+            raise P.OpenAIError(400, f"max_tokens is {kwargs['max_tokens']}, but the prompt has {num_prompt} tokens "
+                                     f"and the context is {eng.max_model_len}.", "invalid_request_error",
+                                param="max_tokens", code="context_length_exceeded")
+        try:
+            return SamplingParams(**kwargs, guided=guided)
+        except ValueError as exc:
+            raise P.OpenAIError(400, str(exc), "invalid_request_error") from None
+
+    def session_of(request: Request, body_sid: str | None) -> str | None:
+        sid = request.headers.get(SESSION_HEADER) or body_sid
+        if sid is not None and not P.valid_session_id(sid):
+            raise P.OpenAIError(400, "session_id must be 1-128 characters of [A-Za-z0-9._:-].",
+                                "invalid_request_error", param="session_id")
+        return sid
+
+    async def run(request: Request, prompt: list[int], params: SamplingParams, sid: str | None,
+                  priority: str) -> AsyncIterator[RequestOutput]:
+        tenant = request.state.tenant
+        rid = f"{request.state.request_id}"
+        key = session_key(tenant, sid) if sid else None
+        if key is not None:
+            def prepare(e: LLMEngine) -> list[int]:
+                if e.get_session(key) is None and sum(
+                        1 for s in e.sessions if s.tenant == tenant) >= state.max_sessions_per_tenant:
+                    raise P.OpenAIError(429, "Too many open sessions for this API key.", "rate_limit_error",
+                                        code="too_many_sessions")
+                new, _ = continue_session(e, key, prompt, tenant, priority)
+                return new
+            source: Any = prepare
+        else:
+            source = prompt
+        try:
+            async for out in state.bridge.generate(source, params, rid, session_id=key, salt=tenant_salt(tenant)):
+                yield out
+        except P.OpenAIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
+            raise engine_error(exc) from exc
+
+    async def park(request: Request, sid: str | None, tool_names: list[str], expected_wait_s: float | None) -> None:
+        if not sid or not tool_names:
+            return
+        key = session_key(request.state.tenant, sid)
+
+        def do(e: LLMEngine) -> None:
+            if e.get_session(key) is not None:
+                e.park(key, tuple(tool_names), expected_wait_s)
+
+        await state.bridge.call(do)
+
+    def record(out: RequestOutput, t0: float) -> None:
+        state.metrics.record_request(
+            ttft_s=(out.first_token_s - out.arrival_s) if out.first_token_s else None, e2e_s=time.monotonic() - t0,
+            num_prompt=len(out.prompt_token_ids), num_cached=out.num_cached_tokens,
+            num_output=len(out.token_ids), finish_reason=out.finish_reason or "abort")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        body = await read_json(request)
+        try:
+            req = P.ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise P.format_validation_error(exc) from None
+        check_model(req.model)
+        sid = session_of(request, req.session_id)
+        messages = req.template_messages()
+        tools = req.template_tools()
+        loop = asyncio.get_running_loop()
+        try:
+            prompt = await loop.run_in_executor(tokenize_pool, render_chat, eng.tokenizer, messages, tools)
+        except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+            raise P.OpenAIError(400, f"Could not render the messages: {exc}", "invalid_request_error",
+                                param="messages") from None
+        guided = P.guided_decoding(req)
+        params = make_params(req, len(prompt), guided)
+        use_tools = bool(tools) and req.tool_choice != "none"
+        tool_names = set(req.tool_names or ())
+        created, cid, t0 = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", time.monotonic()
+        outputs = run(request, prompt, params, sid, req.priority or "interactive")
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def sse() -> AsyncIterator[str]:
+                parser = StreamingToolParser(tool_names) if use_tools else None
+                called: list[str] = []
+                yield _sse(P.chat_chunk(cid, created, state.model_name, {"role": "assistant", "content": ""}))
+                try:
+                    async for out in outputs:
+                        events = parser.feed(out.delta_text) if parser else [{"content": out.delta_text}]
+                        if out.finished and parser:
+                            events += parser.finish()
+                        for delta in _merge_events(events):
+                            called += [tc["function"]["name"] for tc in delta.get("tool_calls", [])
+                                       if tc.get("function", {}).get("name")]
+                            yield _sse(P.chat_chunk(cid, created, state.model_name, delta))
+                        if out.finished:
+                            reason = "tool_calls" if called else out.finish_reason
+                            yield _sse(P.chat_chunk(cid, created, state.model_name, {}, finish_reason=reason))
+                            if include_usage:
+                                yield _sse(P.chat_chunk(cid, created, state.model_name, None, usage=_usage(out)))
+                            record(out, t0)
+                            await park(request, sid, called, req.expected_wait_s)
+                except P.OpenAIError as exc:
+                    yield _sse(exc.body())
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream",
+                                     headers={"x-request-id": request.state.request_id})
+
+        final = await _collect(request, outputs)
+        content, tool_calls = (parse_tool_calls(final.text, tool_names) if use_tools else (final.text, []))
+        reason = "tool_calls" if tool_calls else final.finish_reason
+        record(final, t0)
+        await park(request, sid, [tc["function"]["name"] for tc in tool_calls], req.expected_wait_s)
+        logprobs = _chat_logprobs(eng, final) if req.logprobs else None
+        return JSONResponse(P.chat_completion(cid, created, state.model_name, content, tool_calls, reason,
+                                              _usage(final), logprobs=logprobs))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await read_json(request)
+        try:
+            req = P.CompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise P.format_validation_error(exc) from None
+        check_model(req.model)
+        sid = session_of(request, req.session_id)
+        prompt_in = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) \
+            else req.prompt
+        if isinstance(prompt_in, str):
+            prompt = await asyncio.get_running_loop().run_in_executor(tokenize_pool, eng.tokenizer.encode, prompt_in)
+        else:
+            prompt = list(prompt_in)
+            if any(t < 0 or t >= eng.runner.arch.vocab_size for t in prompt):
+                raise P.OpenAIError(400, "prompt token ids out of range", "invalid_request_error", param="prompt")
+        if not prompt:
+            raise P.OpenAIError(400, "The prompt is empty.", "invalid_request_error", param="prompt")
+        params = make_params(req, len(prompt), None)
+        created, cid, t0 = int(time.time()), f"cmpl-{uuid.uuid4().hex}", time.monotonic()
+        outputs = run(request, prompt, params, sid, "interactive")
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def sse() -> AsyncIterator[str]:
+                try:
+                    async for out in outputs:
+                        if out.delta_text or out.finished:
+                            yield _sse(P.completion_chunk(cid, created, state.model_name, out.delta_text,
+                                                          out.finish_reason if out.finished else None))
+                        if out.finished:
+                            if include_usage:
+                                yield _sse(P.completion_chunk(cid, created, state.model_name, None, None,
+                                                              usage=_usage(out)))
+                            record(out, t0)
+                except P.OpenAIError as exc:
+                    yield _sse(exc.body())
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        final = await _collect(request, outputs)
+        record(final, t0)
+        return JSONResponse(P.completion(cid, created, state.model_name, final.text, final.finish_reason,
+                                         _usage(final)))
+
+
+async def _collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The final output; aborts the request if the client disconnects meanwhile."""
+    final = None
+    async for out in outputs:
+        if out.finished:
+            final = out
+            break
+        if await request.is_disconnected():
+            await outputs.aclose()  # the bridge aborts the request and frees its blocks
+            raise P.OpenAIError(499, "Client closed the request.", "invalid_request_error")
+    assert final is not None
+    return final
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    num_prompt, num_out = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def _chat_logprobs(eng: LLMEngine, out: RequestOutput) -> dict[str, Any]:
+    entries = []
+    tok = eng.tokenizer
+    for token_id, row in zip(out.token_ids, out.outputs[0].logprobs or []):
+        def item(tid: int, lp: float) -> dict[str, Any]:
+            text = tok.decode([tid], skip_special_tokens=False)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        top = [item(t, lp) for t, lp in sorted(row.items(), key=lambda kv: -kv[1])]
+        entries.append({**item(token_id, row.get(token_id, float("-inf"))), "top_logprobs": top})
+    return {"content": entries, "refusal": None}
+
+
+def _merge_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parser events to chunk deltas, dropping empty content."""
+    return [e for e in events if e.get("tool_calls") or e.get("content")]
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,89 @@
+"""Session routes: POST /v1/sessions, GET /v1/sessions/{id}, DELETE /v1/sessions/{id}.
+
+Sessions are namespaced by tenant: another tenant's session id is simply not
+found (404), whether it exists or not.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+
+from sessionserve.llm_engine import LLMEngine
+from sessionserve.server import protocol as P
+from sessionserve.server.app import read_json
+from sessionserve.server.routes_openai import session_key
+
+if TYPE_CHECKING:
+    from sessionserve.core.session import Session
+    from sessionserve.server.app import ServerState
+
+
+def session_object(session: Session, public_id: str) -> dict[str, Any]:
+    return {
+        "id": public_id, "object": "session", "created": int(session.opened_s), "state": session.state.value,
+        "priority": session.priority, "num_tokens": len(session.token_ids),
+        "num_computed_tokens": session.num_computed_tokens, "residency": session.residency.value,
+        "waiting_tools": list(session.waiting_tools), "steps": session.stats.num_turns,
+        "stats": asdict(session.stats),
+    }
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    bridge = state.bridge
+
+    def not_found(sid: str) -> P.OpenAIError:
+        return P.OpenAIError(404, f"Session '{sid}' not found.", "not_found_error", param="session_id")
+
+    @app.post("/v1/sessions")
+    async def create_session(request: Request) -> Any:
+        body = await read_json(request) if await request.body() else {}
+        sid = body.get("session_id") or f"sess_{uuid.uuid4().hex}"
+        priority = body.get("priority", "interactive")
+        if not isinstance(sid, str) or not P.valid_session_id(sid):
+            raise P.OpenAIError(400, "session_id must be 1-128 characters of [A-Za-z0-9._:-].",
+                                "invalid_request_error", param="session_id")
+        if priority not in ("interactive", "batch"):
+            raise P.OpenAIError(400, "priority must be 'interactive' or 'batch'.", "invalid_request_error",
+                                param="priority")
+        tenant = request.state.tenant
+        key = session_key(tenant, sid)
+
+        def do(eng: LLMEngine) -> dict[str, Any]:
+            if eng.get_session(key) is not None:
+                raise P.OpenAIError(409, f"Session '{sid}' already exists.", "invalid_request_error",
+                                    param="session_id", code="session_exists")
+            if sum(1 for s in eng.sessions if s.tenant == tenant) >= state.max_sessions_per_tenant:
+                raise P.OpenAIError(429, "Too many open sessions for this API key.", "rate_limit_error",
+                                    code="too_many_sessions")
+            eng.open_session(key, tenant=tenant, priority=priority)
+            return session_object(eng.get_session(key), sid)
+
+        return await bridge.call(do)
+
+    @app.get("/v1/sessions/{sid}")
+    async def get_session(sid: str, request: Request) -> Any:
+        key = session_key(request.state.tenant, sid)
+
+        def do(eng: LLMEngine) -> dict[str, Any]:
+            session = eng.get_session(key)
+            if session is None:
+                raise not_found(sid)
+            return session_object(session, sid)
+
+        return await bridge.call(do)
+
+    @app.delete("/v1/sessions/{sid}")
+    async def delete_session(sid: str, request: Request) -> Any:
+        key = session_key(request.state.tenant, sid)
+
+        def do(eng: LLMEngine) -> dict[str, Any]:
+            if eng.get_session(key) is None:
+                raise not_found(sid)
+            eng.close_session(key)
+            return {"id": sid, "object": "session.deleted", "deleted": True}
+
+        return await bridge.call(do)

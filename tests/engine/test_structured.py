@@ -1,0 +1,204 @@
+"""Structured outputs end to end on the tiny random-weight llama: its raw output is gibberish,
+so every valid JSON / tool call here is the grammar's doing. Also the compiler's mask details."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sessionserve import LLM, SamplingParams
+from sessionserve.core.guided import GuidedDecoding
+from sessionserve.model.structured import GrammarCompiler, apply_constraints
+
+# Bounded strings and integers: random weights otherwise write unbounded strings and digits.
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "color": {"enum": ["red", "green", "blue"]},
+    "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+}, "required": ["name", "age", "color", "tags"]}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 999},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"name": "add", "parameters": ADD}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+PROMPTS = ["Hello, give me JSON", "The weather in Paris is", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+           "x y z", "def f(x):", "1 2 3"]
+SAMPLINGS = [dict(temperature=0.0), dict(temperature=1.0, seed=7)]
+BLOCK = re.compile(r'<tool_call>\n(\{.*?\})\n</tool_call>', re.S)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: Path) -> LLM:
+    return LLM(model=str(tiny_llama), num_blocks=128)
+
+
+def check_schema(value: Any, schema: dict[str, Any]) -> None:
+    """Validate the schema subset used here (strict: no undeclared properties)."""
+    if "enum" in schema:
+        assert value in schema["enum"]
+    elif schema["type"] == "object":
+        assert isinstance(value, dict) and set(value) <= set(schema["properties"])
+        assert set(schema.get("required", [])) <= set(value)
+        for key, item in value.items():
+            check_schema(item, schema["properties"][key])
+    elif schema["type"] == "array":
+        assert isinstance(value, list) and len(value) <= schema.get("maxItems", len(value))
+        for item in value:
+            check_schema(item, schema["items"])
+    elif schema["type"] == "string":
+        assert isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
+    elif schema["type"] == "integer":
+        assert isinstance(value, int) and schema.get("minimum", value) <= value <= schema.get("maximum", value)
+
+
+def body(llm: LLM, out: Any) -> str:
+    """Output text without its final EOS; asserts the request ended on EOS, not on length."""
+    assert out.finish_reason == "stop", llm.tokenizer.decode(out.token_ids, skip_special_tokens=False)
+    assert out.token_ids[-1] in llm.engine.runner.arch.eos_token_ids
+    return llm.tokenizer.decode(out.token_ids[:-1], skip_special_tokens=False)
+
+
+def parse_tool_calls(llm: LLM, out: Any) -> list[dict[str, Any]]:
+    text, pos, calls = body(llm, out), 0, []
+    while True:
+        m = BLOCK.match(text, pos)
+        assert m is not None, text
+        calls.append(json.loads(m.group(1)))
+        pos = m.end()
+        if pos == len(text):
+            break
+        assert text[pos] == "\n", text
+        pos += 1
+    # The markers are emitted as their single added tokens, not spelled out.
+    begin_id = llm.tokenizer.token_to_id("<tool_call>")
+    assert out.token_ids.count(begin_id) == len(calls)
+    for call in calls:
+        assert set(call) == {"name", "arguments"}
+        check_schema(call["arguments"], SCHEMAS[call["name"]])
+    return calls
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_json_object(llm: LLM, sampling: dict[str, Any]) -> None:
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=120, guided=GuidedDecoding.json_object(), **sampling))
+    compiler = llm.engine.runner._grammar_compiler
+    assert compiler is not None
+    for out in outs:
+        # Every token the engine sampled is one the grammar allows (a fresh matcher replays them).
+        replay = compiler.constraint(GuidedDecoding.json_object())
+        assert all(replay.accept(t) for t in out.token_ids)
+        if out.finish_reason == "stop":
+            assert isinstance(json.loads(body(llm, out)), dict)
+    # Random weights often write a key that never ends (hits max_tokens): only some close.
+    assert any(o.finish_reason == "stop" for o in outs)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_json_schema(llm: LLM, sampling: dict[str, Any]) -> None:
+    params = SamplingParams(max_tokens=200, guided=GuidedDecoding.json_schema(PERSON), logprobs=0, **sampling)
+    for out in llm.generate(PROMPTS, params):
+        check_schema(json.loads(body(llm, out)), PERSON)
+        # Logprobs stay those of the unmasked model: finite for every chosen token.
+        assert all(torch.isfinite(torch.tensor(list(lp.values()))).all() for lp in out.outputs[0].logprobs)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_tool_calls_required(llm: LLM, sampling: dict[str, Any]) -> None:
+    params = SamplingParams(max_tokens=200, guided=GuidedDecoding.tool_calls(TOOLS), **sampling)
+    for out in llm.generate(PROMPTS, params):
+        assert len(parse_tool_calls(llm, out)) >= 1
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_tool_calls_named_single(llm: LLM, sampling: dict[str, Any]) -> None:
+    guided = GuidedDecoding.tool_calls(TOOLS, name="add", parallel=False)
+    for out in llm.generate(PROMPTS, SamplingParams(max_tokens=200, guided=guided, **sampling)):
+        assert [c["name"] for c in parse_tool_calls(llm, out)] == ["add"]
+
+
+def test_mixed_batch_leaves_unconstrained_rows_alone(llm: LLM) -> None:
+    plain = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+             SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)]
+    guided = [SamplingParams(max_tokens=200, temperature=0, guided=GuidedDecoding.tool_calls(TOOLS)),
+              SamplingParams(max_tokens=200, temperature=1.0, seed=5, guided=GuidedDecoding.json_schema(PERSON))]
+    params = [guided[0], plain[0], guided[1], plain[1]]
+    together = llm.generate(PROMPTS[:4], params)
+    alone = [llm.generate([p], sp)[0] for p, sp in zip(PROMPTS[:4], params)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    parse_tool_calls(llm, together[0])
+    check_schema(json.loads(body(llm, together[2])), PERSON)
+
+
+def test_constraint_state_survives_preemption(tiny_llama: Path) -> None:
+    params = SamplingParams(max_tokens=200, temperature=0, guided=GuidedDecoding.tool_calls(TOOLS))
+    prompts = [p + " and more words to fill a block" * 3 for p in PROMPTS]
+    want = [o.token_ids for o in LLM(model=str(tiny_llama), num_blocks=256).generate(prompts, params)]
+    tight = LLM(model=str(tiny_llama), num_blocks=14, block_size=16, enable_prefix_caching=False)
+    outs = tight.generate(prompts, params)
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == want
+    for out in outs:
+        parse_tool_calls(tight, out)
+
+
+def allowed(mask_logits: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(mask_logits).nonzero().flatten().tolist())
+
+
+def test_markers_stay_out_of_strings_and_stops_follow_termination(tiny_llama: Path) -> None:
+    compiler = GrammarCompiler(tiny_llama)
+    begin, end = (compiler._single_token(m) for m in ("<tool_call>", "</tool_call>"))
+    text = '\n{"name": "get_weather", "arguments": {"city": "'
+    c = compiler.constraint(GuidedDecoding.tool_calls(TOOLS))
+    logits = torch.zeros(1, compiler.vocab_size)
+    apply_constraints(logits, [c])
+    assert allowed(logits[0]) == {begin}  # a call must open with the marker token itself
+    assert c.accept(begin) and all(c.accept(t) for t in compiler._tok.encode(text).ids)
+    logits.zero_()
+    apply_constraints(logits, [c])
+    inside = allowed(logits[0])
+    assert len(inside) > 1000 and begin not in inside and end not in inside
+    close = compiler._tok.encode('x", "unit": "c"}}\n').ids
+    assert all(c.accept(t) for t in close)
+    logits.zero_()
+    apply_constraints(logits, [c])
+    assert allowed(logits[0]) == {end}
+    assert c.accept(end) and c.accept(compiler.stop_token_ids[0]) and c.is_terminated
+    logits.zero_()
+    apply_constraints(logits, [c, None])
+    assert allowed(logits[0]) == set(compiler.stop_token_ids) and allowed(logits[1]) == set(range(compiler.vocab_size))
+    # Both tools are reachable under "required"; a wrong name is not.
+    for name in ("add", "get_weather"):
+        r = compiler.constraint(GuidedDecoding.tool_calls(TOOLS))
+        assert r.accept(begin) and all(r.accept(t) for t in compiler._tok.encode(f'\n{{"name": "{name}"').ids)
+    r = compiler.constraint(GuidedDecoding.tool_calls(TOOLS))
+    assert r.accept(begin) and not all(r.accept(t) for t in compiler._tok.encode('\n{"name": "mul"').ids)
+
+
+def test_padded_model_vocab_is_masked_and_bad_specs_raise(tiny_llama: Path, tmp_path: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_llama / name, tmp_path / name)
+    config = json.loads((tiny_llama / "config.json").read_text())
+    tokenizer_vocab = config["vocab_size"]
+    config["vocab_size"] = tokenizer_vocab + 64  # lm_head padded past the tokenizer
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    compiler = GrammarCompiler(tmp_path)
+    logits = torch.zeros(2, tokenizer_vocab + 64)
+    apply_constraints(logits, [None, compiler.constraint(GuidedDecoding.json_object())])
+    assert allowed(logits[1]) and max(allowed(logits[1])) < tokenizer_vocab
+    assert torch.isfinite(logits[0]).all()
+    g = GuidedDecoding.json_schema(PERSON)
+    assert compiler.compile(g) is compiler.compile(GuidedDecoding.json_schema(dict(PERSON)))
+    with pytest.raises(ValueError):
+        compiler.compile(GuidedDecoding.json_schema({"type": "no-such-type"}))
+    with pytest.raises(ValueError):
+        compiler.compile(GuidedDecoding.tool_calls([{"name": "f", "parameters": {"type": "no-such-type"}}]))

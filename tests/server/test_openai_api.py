@@ -1,0 +1,205 @@
+"""The official `openai` client against a live server on 127.0.0.1 (tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import LiveServer
+
+TOOLS = [
+    {"type": "function", "function": {"name": "search_code", "description": "Search the repository",
+                                      "parameters": {"type": "object", "properties": {
+                                          "query": {"type": "string"}, "max_results": {"type": "integer"}},
+                                          "required": ["query"]}}},
+    {"type": "function", "function": {"name": "run_tests", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
+]
+
+
+def client(server: LiveServer, key: str = "key-alice") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def test_models_and_health(server: LiveServer) -> None:
+    assert [m.id for m in client(server).models.list().data] == ["tiny"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_chat_completion_sync(server: LiveServer) -> None:
+    resp = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
+        max_tokens=8, temperature=0, seed=1)
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens <= 8 and resp.usage.prompt_tokens > 5
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_chat_completion_async_concurrent(server: LiveServer) -> None:
+    async def main() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="key-alice", max_retries=0)
+        rs = await asyncio.gather(*[c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"task {i}"}], max_tokens=6, temperature=0)
+            for i in range(4)])
+        return [r.choices[0].message.content for r in rs]
+
+    assert len(asyncio.run(main())) == 4
+
+
+def test_streaming_matches_non_streaming_and_reports_usage(server: LiveServer) -> None:
+    c = client(server)
+    msgs = [{"role": "user", "content": "count"}]
+    full = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == (full.choices[0].message.content or "")
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_required_tool_choice_gives_valid_tool_calls(server: LiveServer) -> None:
+    resp = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "find the config parser"}], tools=TOOLS,
+        tool_choice="required", max_tokens=120, temperature=0)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    for call in choice.message.tool_calls:
+        assert call.function.name in ("search_code", "run_tests") and call.id.startswith("call_")
+        args = json.loads(call.function.arguments)
+        assert isinstance(args, dict) and ("query" in args or "path" in args)
+
+
+def test_named_tool_choice_streams_tool_call_deltas(server: LiveServer) -> None:
+    stream = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "run the tests"}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "run_tests"}}, max_tokens=120, temperature=0.7,
+        seed=3, stream=True)
+    names, args, finish = [], "", None
+    for ch in stream:
+        delta = ch.choices[0].delta
+        for tc in delta.tool_calls or []:
+            if tc.function and tc.function.name:
+                names.append(tc.function.name)
+            if tc.function and tc.function.arguments:
+                args += tc.function.arguments
+        finish = ch.choices[0].finish_reason or finish
+    assert names and set(names) == {"run_tests"} and finish == "tool_calls"
+
+
+def test_json_response_format(server: LiveServer) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "integer"}},
+              "required": ["answer", "confidence"], "additionalProperties": False}
+    resp = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "answer in JSON"}], max_tokens=150, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    data = json.loads(resp.choices[0].message.content)
+    assert set(data) == {"answer", "confidence"} and isinstance(data["confidence"], int)
+
+
+def test_multi_turn_session_with_tool_results_parks_and_resumes(server: LiveServer) -> None:
+    c = client(server)
+    headers = {"X-Session-ID": "agent-1"}
+    msgs = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "fix the bug"}]
+    first = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="required",
+                                      max_tokens=120, temperature=0, extra_headers=headers,
+                                      extra_body={"expected_wait_s": 2.0})
+    calls = first.choices[0].message.tool_calls
+    assert calls
+    info = httpx.get(server.url + "/v1/sessions/agent-1", headers={"Authorization": "Bearer key-alice"}).json()
+    assert info["state"] == "parked" and info["steps"] == 1 and info["waiting_tools"]
+    msgs.append(first.choices[0].message.model_dump(exclude_none=True))
+    msgs += [{"role": "tool", "tool_call_id": tc.id, "content": "src/config.py:12: def parse_config"} for tc in calls]
+    second = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=8, temperature=0,
+                                       extra_headers=headers)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > first.usage.prompt_tokens // 2, (cached, first.usage.prompt_tokens)
+    info = httpx.get(server.url + "/v1/sessions/agent-1", headers={"Authorization": "Bearer key-alice"}).json()
+    assert info["steps"] == 2 and info["stats"]["num_recompute_tokens"] == 0
+    gone = httpx.delete(server.url + "/v1/sessions/agent-1", headers={"Authorization": "Bearer key-alice"})
+    assert gone.json()["deleted"] is True
+
+
+def test_completions_endpoint(server: LiveServer) -> None:
+    c = client(server)
+    resp = c.completions.create(model="tiny", prompt="def parse(", max_tokens=5, temperature=0)
+    assert resp.choices[0].finish_reason in ("stop", "length") and resp.usage.completion_tokens <= 5
+    chunks = list(c.completions.create(model="tiny", prompt="def parse(", max_tokens=5, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == resp.choices[0].text
+
+
+def test_errors_have_openai_shape_and_status(server: LiveServer) -> None:
+    c = client(server)
+    with pytest.raises(openai.NotFoundError) as nf:
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert nf.value.body["param"] == "model" if isinstance(nf.value.body, dict) else True
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.BadRequestError) as long:
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 5000}])
+    assert "context" in str(long.value)
+    with pytest.raises(openai.AuthenticationError):
+        client(server, key="wrong").models.list()
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                   headers={"Authorization": "Bearer key-alice", "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "wizard"}]},
+                   headers={"Authorization": "Bearer key-alice"})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+
+
+def _free_blocks(server: LiveServer) -> int:
+    return server.call(lambda e: e.kv.num_free_blocks)
+
+
+def test_disconnect_mid_stream_frees_blocks(server: LiveServer) -> None:
+    baseline = _free_blocks(server)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "write a long story"}], "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+    for _ in range(3):
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                          headers={"Authorization": "Bearer key-alice"}) as r:
+            for i, _line in enumerate(r.iter_lines()):
+                if i > 6:
+                    break
+    for _ in range(100):
+        if _free_blocks(server) == baseline and server.call(lambda e: not e.has_unfinished()):
+            break
+        time.sleep(0.05)
+    assert _free_blocks(server) == baseline
+
+
+def test_tenant_isolation(server: LiveServer) -> None:
+    alice, bob = client(server, "key-alice"), client(server, "key-bob")
+    alice.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "secret"}], max_tokens=2,
+                                  extra_headers={"X-Session-ID": "shared-name"})
+    auth_bob = {"Authorization": "Bearer key-bob"}
+    assert httpx.get(server.url + "/v1/sessions/shared-name", headers=auth_bob).status_code == 404
+    assert httpx.delete(server.url + "/v1/sessions/shared-name", headers=auth_bob).status_code == 404
+    # Same long prompt: alice's second call hits her prefix cache, bob's first call cannot.
+    msgs = [{"role": "user", "content": "the same long prompt " * 30}]
+    alice.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
+    again = alice.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
+    other = bob.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_metrics_move_with_traffic(server: LiveServer) -> None:
+    def requests_total() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("sessionserve_requests_total"))
+
+    before = requests_total()
+    client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert requests_total() == before + 1
+    text = httpx.get(server.url + "/metrics").text
+    assert "sessionserve_time_to_first_token_seconds_bucket" in text and "sessionserve_kv_blocks" in text
