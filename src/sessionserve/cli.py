@@ -36,7 +36,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from sessionserve.server.app import create_app
     from sessionserve.server.auth import Auth
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from sessionserve.obs.tracing import Tracer, configure_logging
+
+    configure_logging(logging.INFO)
     config = Config.from_env(Config.from_kwargs(
         kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, dtype=args.dtype,
@@ -44,8 +46,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         disk_kv_bytes=args.disk_kv_bytes, spool_dir=args.spool_dir))
     engine = LLMEngine(config, resolve_model_path(args.model))
     app = create_app(engine, model_name=args.served_model_name, auth=Auth.from_options(args.api_key, args.keys_file),
-                     max_queued_requests=args.max_queued_requests)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+                     max_queued_requests=args.max_queued_requests, tracer=Tracer(args.trace))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
+                log_config=None)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--disk-kv-bytes", type=int, default=0)
     serve.add_argument("--spool-dir", default=None)
     serve.add_argument("--max-queued-requests", type=int, default=1024)
+    serve.add_argument("--trace", choices=["console", "otlp"], default=None,
+                       help="export OpenTelemetry spans per request and session step")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for prompts (arguments or stdin lines)")

@@ -51,6 +51,8 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     arrival_s: float = 0.0
+    scheduled_s: float | None = None
+    restore_wait_s: float = 0.0
     first_token_s: float | None = None
     finished_s: float | None = None
 
@@ -239,5 +241,6 @@ class LLMEngine:
             request_id=seq.request_id, prompt=tracked.prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
             outputs=[CompletionOutput(0, text, seq.output_token_ids, reason, seq.stop_reason, seq.logprobs)],
             finished=finished, num_cached_tokens=seq.num_cached_tokens or 0, delta_text=delta,
-            delta_token_ids=list(new_ids), arrival_s=seq.arrival_s, first_token_s=seq.first_token_s,
+            delta_token_ids=list(new_ids), arrival_s=seq.arrival_s, scheduled_s=seq.first_scheduled_s,
+            first_token_s=seq.first_token_s, restore_wait_s=seq.restore_wait_s,
             finished_s=seq.finished_s)

@@ -173,7 +173,7 @@ def test_markers_stay_out_of_strings_and_stops_follow_termination(tiny_llama: Pa
     apply_constraints(logits, [c])
     assert allowed(logits[0]) == {end}
     assert c.accept(end) and c.accept(compiler.stop_token_ids[0]) and c.is_terminated
-    logits.zero_()
+    logits = torch.zeros(2, compiler.vocab_size)
     apply_constraints(logits, [c, None])
     assert allowed(logits[0]) == set(compiler.stop_token_ids) and allowed(logits[1]) == set(range(compiler.vocab_size))
     # Both tools are reachable under "required"; a wrong name is not.

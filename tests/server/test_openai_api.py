@@ -203,3 +203,21 @@ def test_metrics_move_with_traffic(server: LiveServer) -> None:
     assert requests_total() == before + 1
     text = httpx.get(server.url + "/metrics").text
     assert "sessionserve_time_to_first_token_seconds_bucket" in text and "sessionserve_kv_blocks" in text
+
+
+def test_trace_of_one_session_step() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sessionserve.obs.tracing import Tracer
+
+    exporter = InMemorySpanExporter()
+    tracer = Tracer(span_exporter=exporter)
+    tracer.record_request(name="chat.completion", request_id="r1", wall_offset_s=1000.0, arrival_s=1.0,
+                          scheduled_s=1.2, first_token_s=1.5, finished_s=2.0, restore_blocked_s=0.1,
+                          attributes={"sessionserve.session_id": "s1", "sessionserve.session_step": 3})
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"chat.completion", "queue", "restore", "prefill", "decode"}
+    root = spans["chat.completion"]
+    assert root.attributes["sessionserve.session_step"] == 3
+    assert all(s.parent.span_id == root.context.span_id for n, s in spans.items() if n != "chat.completion")
+    assert spans["decode"].end_time - spans["decode"].start_time == 500_000_000

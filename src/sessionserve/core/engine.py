@@ -128,6 +128,9 @@ class EngineCore:
                 self.sessions.tick(self.clock(), self.scheduler.num_wanted_blocks)
             return []
         t0 = self.clock()
+        for chunk in plan.chunks:
+            if chunk.seq.first_scheduled_s is None:
+                chunk.seq.first_scheduled_s = t0
         result = self.executor.execute(plan)
         finished = self.scheduler.update(plan, result.sampled)
         now = self.clock()

@@ -43,6 +43,9 @@ class Sequence:
     # Prompt tokens served from the prefix cache at first admission.
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
+    first_scheduled_s: float | None = None
+    # Time this turn waited for its session's KV to come back from a lower tier.
+    restore_wait_s: float = 0.0
     first_token_s: float | None = None
     finished_s: float | None = None
     stop_reason: int | str | None = None

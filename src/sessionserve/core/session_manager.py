@@ -327,6 +327,7 @@ class SessionManager:
         if blocked is not None:
             seq, since_s = blocked
             session.stats.restore_blocked_s += now_s - since_s
+            seq.restore_wait_s = now_s - since_s
             if session.residency is Residency.DEVICE:
                 self._adopt(session, seq)
             seq.is_blocked = False

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sessionserve.llm_engine import LLMEngine
 from sessionserve.obs.metrics import Metrics
+from sessionserve.obs.tracing import Tracer, request_id_var
 from sessionserve.server.auth import Auth
 from sessionserve.server.bridge import AsyncEngine, EngineDead, EngineOverloaded
 from sessionserve.server.protocol import OpenAIError, format_validation_errors
@@ -34,6 +35,7 @@ class ServerState:
     bridge: AsyncEngine
     auth: Auth
     metrics: Metrics
+    tracer: Tracer
     model_name: str
     created: int
     max_request_bytes: int
@@ -42,25 +44,29 @@ class ServerState:
 
 def create_app(engine: LLMEngine, *, model_name: str | None = None, auth: Auth | None = None,
                max_queued_requests: int = 1024, max_request_bytes: int = 8 << 20,
-               max_sessions_per_tenant: int = 1000) -> FastAPI:
+               max_sessions_per_tenant: int = 1000, tracer: Tracer | None = None) -> FastAPI:
     name = model_name or engine.model_dir.name
     metrics = Metrics(name)
     bridge = AsyncEngine(engine, max_queued_requests=max_queued_requests, on_step=metrics.sample_engine)
-    state = ServerState(engine, bridge, auth or Auth(), metrics, name, int(time.time()), max_request_bytes,
-                        max_sessions_per_tenant)
+    state = ServerState(engine, bridge, auth or Auth(), metrics, tracer or Tracer(None), name, int(time.time()),
+                        max_request_bytes, max_sessions_per_tenant)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
         bridge.start()
         yield
         await bridge.shutdown()
+        state.tracer.shutdown()
 
     app = FastAPI(title="sessionserve", version="0.1.0", lifespan=lifespan)
     app.state.ss = state
 
     @app.middleware("http")
     async def request_context(request: Request, call_next):  # noqa: ANN001, ANN202
-        request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = request.headers.get("x-request-id") or ""
+        # Ours unless the client's is short and plain (it ends up in logs and engine ids).
+        request.state.request_id = rid if 0 < len(rid) <= 64 and rid.replace("-", "").isalnum() else uuid.uuid4().hex
+        request_id_var.set(request.state.request_id)
         path = request.url.path
         if path.startswith("/v1/"):
             tenant = state.auth.tenant_for(request.headers.get("authorization"))

@@ -108,7 +108,24 @@ def register(app: FastAPI, state: ServerState) -> None:
 
         await state.bridge.call(do)
 
-    def record(out: RequestOutput, t0: float) -> None:
+    wall_offset_s = time.time() - time.monotonic()
+
+    def record(out: RequestOutput, t0: float, request: Request, sid: str | None, endpoint: str = "chat") -> None:
+        stats = None
+        if sid is not None:
+            # A read of counters the engine thread owns: at worst one step stale, which a trace tolerates.
+            session = eng.get_session(session_key(request.state.tenant, sid))
+            stats = session.stats if session is not None else None
+        state.tracer.record_request(
+            name=f"{endpoint}.completion", request_id=out.request_id, wall_offset_s=wall_offset_s,
+            arrival_s=out.arrival_s, scheduled_s=out.scheduled_s, first_token_s=out.first_token_s,
+            finished_s=out.finished_s or time.monotonic(),
+            restore_blocked_s=out.restore_wait_s,
+            attributes={"sessionserve.session_id": sid, "sessionserve.session_step": stats.num_turns if stats else None,
+                        "gen_ai.usage.input_tokens": len(out.prompt_token_ids),
+                        "gen_ai.usage.output_tokens": len(out.token_ids),
+                        "sessionserve.cached_tokens": out.num_cached_tokens,
+                        "gen_ai.response.finish_reason": out.finish_reason})
         state.metrics.record_request(
             ttft_s=(out.first_token_s - out.arrival_s) if out.first_token_s else None, e2e_s=time.monotonic() - t0,
             num_prompt=len(out.prompt_token_ids), num_cached=out.num_cached_tokens,
@@ -159,7 +176,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                             yield _sse(P.chat_chunk(cid, created, state.model_name, {}, finish_reason=reason))
                             if include_usage:
                                 yield _sse(P.chat_chunk(cid, created, state.model_name, None, usage=_usage(out)))
-                            record(out, t0)
+                            record(out, t0, request, sid)
                             await park(request, sid, called, req.expected_wait_s)
                 except P.OpenAIError as exc:
                     yield _sse(exc.body())
@@ -171,7 +188,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         final = await _collect(request, outputs)
         content, tool_calls = (parse_tool_calls(final.text, tool_names) if use_tools else (final.text, []))
         reason = "tool_calls" if tool_calls else final.finish_reason
-        record(final, t0)
+        record(final, t0, request, sid)
         await park(request, sid, [tc["function"]["name"] for tc in tool_calls], req.expected_wait_s)
         logprobs = _chat_logprobs(eng, final) if req.logprobs else None
         return JSONResponse(P.chat_completion(cid, created, state.model_name, content, tool_calls, reason,
@@ -212,14 +229,14 @@ def register(app: FastAPI, state: ServerState) -> None:
                             if include_usage:
                                 yield _sse(P.completion_chunk(cid, created, state.model_name, None, None,
                                                               usage=_usage(out)))
-                            record(out, t0)
+                            record(out, t0, request, sid, "text")
                 except P.OpenAIError as exc:
                     yield _sse(exc.body())
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         final = await _collect(request, outputs)
-        record(final, t0)
+        record(final, t0, request, sid, "text")
         return JSONResponse(P.completion(cid, created, state.model_name, final.text, final.finish_reason,
                                          _usage(final)))
 
