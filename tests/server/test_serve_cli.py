@@ -1,0 +1,46 @@
+"""`sessionserve serve` starts on the embedded default model with no model argument, and stops cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.server.conftest import free_port
+
+
+def test_serve_starts_on_the_default_model_and_drains_on_sigterm() -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sessionserve.cli", "serve", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            if proc.poll() is not None:
+                raise AssertionError(proc.stdout.read())
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        models = httpx.get(url + "/v1/models").json()["data"]
+        assert models[0]["id"] == "llama-small"
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={"model": "llama-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    # uvicorn re-raises the signal once shutdown is complete, so -SIGTERM is a clean exit too.
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert "Application shutdown complete" in out
