@@ -198,6 +198,11 @@ def test_padded_model_vocab_is_masked_and_bad_specs_raise(tiny_llama: Path, tmp_
     assert torch.isfinite(logits[0]).all()
     g = GuidedDecoding.json_schema(PERSON)
     assert compiler.compile(g) is compiler.compile(GuidedDecoding.json_schema(dict(PERSON)))
+    # JSON strings hold no raw control characters, bounded-length ones included.
+    short = compiler.constraint(GuidedDecoding.json_schema({"type": "string", "maxLength": 5}))
+    assert short.accept(compiler._tok.token_to_id('"')) and not short.accept(compiler._tok.encode("\t").ids[0])
+    pattern = compiler.constraint(GuidedDecoding.json_schema({"type": "string", "pattern": "^a.c$"}))
+    assert all(pattern.accept(t) for t in compiler._tok.encode('"abc"').ids)
     with pytest.raises(ValueError):
         compiler.compile(GuidedDecoding.json_schema({"type": "no-such-type"}))
     with pytest.raises(ValueError):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -128,8 +127,7 @@ _state: dict[str, bool] = {}
 
 def _build_dir() -> Path:
     key = hashlib.sha256((_SOURCE + torch.__version__).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("SESSIONSERVE_CACHE_DIR", Path.home() / ".cache" / "sessionserve"))
-    path = root / "kernels" / key
+    path = Path.home() / ".cache" / "sessionserve" / "kernels" / key
     path.mkdir(parents=True, exist_ok=True)
     return path
 

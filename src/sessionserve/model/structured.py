@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 _CACHE_MAX_ENTRIES = 256
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 
 
 class GrammarCompiler:
@@ -97,13 +99,10 @@ class GrammarCompiler:
         return self._bitmask[:num_rows]
 
     def _compile(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
-        # Compact separators (", ", ": ", as json.dumps and the chat template's tojson) keep the
-        # output canonical and bounded: free whitespace lets a weak model pad without end.
         if guided.kind == "json_object":
-            return self._compiler.compile_json_schema({"type": "object"}, any_whitespace=False,
-                                                      strict_mode=False)
+            return self._compiler.compile_grammar(_json_ebnf({"type": "object"}, strict=False))
         if guided.kind == "json_schema":
-            return self._compiler.compile_json_schema(guided.spec, any_whitespace=False)
+            return self._compiler.compile_grammar(_json_ebnf(guided.spec))
         if guided.kind == "regex":
             return self._compiler.compile_regex(guided.spec)
         if guided.kind == "tool_calls":
@@ -116,9 +115,8 @@ class GrammarCompiler:
         tags = []
         for tool in guided.allowed_tools():
             head = '\n{"name": ' + json.dumps(tool["name"], ensure_ascii=False) + ', "arguments": '
-            # The arguments as EBNF from xgrammar's schema converter: compact separators like the
-            # template's tojson (the structural tag's own json_schema format allows free whitespace).
-            args = str(xgr.Grammar.from_json_schema(tool["parameters"], any_whitespace=False))
+            # EBNF, not the structural tag's json_schema format: that one allows free whitespace.
+            args = _json_ebnf(tool["parameters"])
             tags.append({"type": "tag", "begin": self._marker(TOOL_CALL_BEGIN),
                          "content": {"type": "sequence", "elements": [
                              {"type": "const_string", "value": head},
@@ -221,6 +219,19 @@ def apply_constraints(logits: torch.Tensor, constraints: list[Constraint | None]
     except ImportError:  # no triton on this install: xgrammar's plain-torch kernel
         xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=vocab_size, indices=masked,
                                         backend="torch_native")
+
+
+def _json_ebnf(schema: dict[str, Any] | str, strict: bool = True) -> str:
+    """EBNF for JSON matching `schema`, with compact separators (", ", ": ") as json.dumps writes.
+
+    Compact, not free whitespace: it matches the chat template's tojson, and a weak
+    model cannot pad without end. `strict`: no properties beyond those declared.
+    """
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict))
+    # xgrammar 0.2.9 lets the characters of min/maxLength strings be raw control characters
+    # (tab, \x01...), which JSON forbids (json.loads rejects them): exclude them as its
+    # unbounded strings do.
+    return ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def _markers_only_alone(bitmask: torch.Tensor, rows: list[int], marker_ids: tuple[int, ...]) -> None:
