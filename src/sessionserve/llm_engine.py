@@ -121,6 +121,9 @@ class LLMEngine:
             if any((not isinstance(t, int)) or t < 0 or t >= self.runner.arch.vocab_size for t in ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {self.runner.arch.vocab_size})")
         rid = request_id or self.new_request_id()
+        if params.guided is not None:
+            # Compile now (cached by spec): a bad schema is this request's 400, never a failed engine step.
+            self.runner.grammar_compiler.compile(params.guided)
         seq = self.core.add_request(rid, ids, params, salt, session_id=session_id)
         detok = None
         if stream or params.stop:

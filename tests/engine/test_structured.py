@@ -138,10 +138,10 @@ def test_mixed_batch_leaves_unconstrained_rows_alone(llm: LLM) -> None:
     check_schema(json.loads(body(llm, together[2])), PERSON)
 
 
-def test_constraint_state_survives_preemption(tiny_llama: Path) -> None:
+def test_constraint_state_survives_preemption(llm: LLM, tiny_llama: Path) -> None:
     params = SamplingParams(max_tokens=200, temperature=0, guided=GuidedDecoding.tool_calls(TOOLS))
     prompts = [p + " and more words to fill a block" * 3 for p in PROMPTS]
-    want = [o.token_ids for o in LLM(model=str(tiny_llama), num_blocks=256).generate(prompts, params)]
+    want = [o.token_ids for o in llm.generate(prompts, params)]
     tight = LLM(model=str(tiny_llama), num_blocks=14, block_size=16, enable_prefix_caching=False)
     outs = tight.generate(prompts, params)
     assert tight.engine.core.scheduler.num_preemptions > 0
@@ -176,6 +176,12 @@ def test_markers_stay_out_of_strings_and_stops_follow_termination(tiny_llama: Pa
     logits = torch.zeros(2, compiler.vocab_size)
     apply_constraints(logits, [c, None])
     assert allowed(logits[0]) == set(compiler.stop_token_ids) and allowed(logits[1]) == set(range(compiler.vocab_size))
+    # A request's own stop ids end the grammar too.
+    own = compiler.constraint(GuidedDecoding.json_object(), stop_token_ids=(7,))
+    assert all(own.accept(t) for t in compiler._tok.encode("{}").ids)
+    logits = torch.zeros(1, compiler.vocab_size)
+    apply_constraints(logits, [own])
+    assert allowed(logits[0]) == {7, *compiler.stop_token_ids}
     # Both tools are reachable under "required"; a wrong name is not.
     for name in ("add", "get_weather"):
         r = compiler.constraint(GuidedDecoding.tool_calls(TOOLS))

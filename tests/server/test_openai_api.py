@@ -15,10 +15,11 @@ from tests.server.conftest import LiveServer
 TOOLS = [
     {"type": "function", "function": {"name": "search_code", "description": "Search the repository",
                                       "parameters": {"type": "object", "properties": {
-                                          "query": {"type": "string"}, "max_results": {"type": "integer"}},
+                                          "query": {"type": "string", "maxLength": 40},
+                                          "max_results": {"type": "integer", "minimum": 1, "maximum": 50}},
                                           "required": ["query"]}}},
     {"type": "function", "function": {"name": "run_tests", "parameters": {
-        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
+        "type": "object", "properties": {"path": {"type": "string", "maxLength": 40}}, "required": ["path"]}}},
 ]
 
 
@@ -95,7 +96,8 @@ def test_named_tool_choice_streams_tool_call_deltas(server: LiveServer) -> None:
 
 
 def test_json_response_format(server: LiveServer) -> None:
-    schema = {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "integer"}},
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30},
+                                               "confidence": {"type": "integer", "minimum": 0, "maximum": 10}},
               "required": ["answer", "confidence"], "additionalProperties": False}
     resp = client(server).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "answer in JSON"}], max_tokens=150, temperature=0,

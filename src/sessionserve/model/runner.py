@@ -168,7 +168,8 @@ class ModelRunner:
     def _sample_row(self, seq: Sequence) -> SampleRow:
         params = seq.sampling_params
         banned: tuple[int, ...] = ()
-        if seq.num_output_tokens < params.min_tokens:
+        # A guided request ends when its grammar does: banning EOS there would leave no token.
+        if seq.num_output_tokens < params.min_tokens and params.guided is None:
             banned = tuple(set(seq.eos_token_ids) | set(params.stop_token_ids))
         if params.is_greedy:
             return SampleRow(params, None, banned)
@@ -186,6 +187,18 @@ class ModelRunner:
         for rid in [rid for rid, (s, _) in self._generators.items() if s.is_finished]:
             del self._generators[rid]
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output constraints (cached); built on first use.
+
+        Call `compile(params.guided)` when a request arrives: a bad spec raises ValueError
+        there instead of inside a step, and the step then finds the grammar cached.
+        """
+        if self._grammar_compiler is None:
+            from sessionserve.model.structured import GrammarCompiler
+            self._grammar_compiler = GrammarCompiler(self.model_dir)
+        return self._grammar_compiler
+
     def _constraint(self, seq: Sequence) -> Constraint | None:
         """The grammar state of a guided request, created on its first sample and kept across preemption."""
         guided = seq.sampling_params.guided
@@ -195,10 +208,7 @@ class ModelRunner:
         if entry is None or entry[0] is not seq:
             for rid in [rid for rid, (s, _) in self._constraints.items() if s.is_finished]:
                 del self._constraints[rid]
-            if self._grammar_compiler is None:
-                from sessionserve.model.structured import GrammarCompiler
-                self._grammar_compiler = GrammarCompiler(self.model_dir)
-            constraint = self._grammar_compiler.constraint(guided, seq.sampling_params.stop_token_ids)
+            constraint = self.grammar_compiler.constraint(guided, seq.sampling_params.stop_token_ids)
             entry = self._constraints[seq.request_id] = (seq, constraint)
         constraint = entry[1]
         if constraint.num_seen_tokens != seq.num_output_tokens:

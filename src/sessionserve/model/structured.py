@@ -88,7 +88,7 @@ class GrammarCompiler:
         return compiled
 
     def constraint(self, guided: GuidedDecoding, stop_token_ids: tuple[int, ...] = ()) -> Constraint:
-        """A fresh per-request matcher; `stop_token_ids` (if any) replace the model's EOS ids as enders."""
+        """A fresh per-request matcher; `stop_token_ids` (a request's own) end the output too, besides EOS."""
         return Constraint(self, self.compile(guided), stop_token_ids,
                           guard_markers=guided.kind == "tool_calls")
 
@@ -213,7 +213,7 @@ def apply_constraints(logits: torch.Tensor, constraints: list[Constraint | None]
     if logits.device.type == "cpu":
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=masked)
         return
-    device_mask = bitmask.to(logits.device, non_blocking=True)
+    device_mask = bitmask.to(logits.device)
     try:
         xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=vocab_size, indices=masked)
     except ImportError:  # no triton on this install: xgrammar's plain-torch kernel
@@ -239,8 +239,9 @@ def _markers_only_alone(bitmask: torch.Tensor, rows: list[int], marker_ids: tupl
 
     Markers such as `<tool_call>` are ordinary text to xgrammar, so a JSON string may
     contain them, which would break parsers that split on them. The tool-call grammar
-    wants a marker only where it is the sole choice (begin after start or "\n", end
-    after "}\n"), so a row that allows a marker among others is inside a string.
+    wants a marker only where it is the sole choice (begin at the start or after the
+    separator, end right after the arguments), so a row that allows a marker among
+    others is inside a string.
     """
     index = torch.tensor(rows, dtype=torch.long)
     without = bitmask[index]  # (k, W) copy
