@@ -5,6 +5,20 @@ the session did not have before: the task, tool results, a user message) and
 generates `output_tokens`; then it waits for its tool calls. Calls in the same
 `group` run concurrently; groups run one after another, so the wait after a
 step is the sum over groups of the longest call in each.
+
+Shared-prefix structure (optional, where a trace knows it):
+- `Step.prefix_block_ids`: the leading part of a step's new input is made of
+  blocks of `prefix_block_tokens` tokens; equal block ids (within one trace,
+  across its sessions) mean identical token contents, so a prompt builder
+  turns shared prefixes in the trace into shared prefixes in the prompts
+  (a system prompt, tool definitions, a chat branch).
+- `Step.context_kept_tokens`: None means the step's prompt extends the whole
+  session context; a number means the client cut the context to its first
+  that many tokens first (compaction, restart), and the rest is recomputed.
+
+`TraceSet` is what a loader returns: the sessions plus the scale factors
+applied and a `provenance` list saying where each part came from and what was
+synthesised (reports print it). On disk: JSONL, see `trace_io.py`.
 """
 
 from __future__ import annotations
@@ -28,6 +42,10 @@ class Step:
     tool_calls: tuple[ToolCall, ...] = ()
     # "tool": the wait after this step is tool time; "human": a user's think time; "end": last step.
     wait_kind: str = "tool"
+    # Shared-prefix structure of the new input (see the module docstring); () = all private tokens.
+    prefix_block_ids: tuple[int, ...] = ()
+    prefix_block_tokens: int = 0  # tokens per prefix block; the last block may be cut short
+    context_kept_tokens: int | None = None  # None: extend the whole context; N: cut it to N tokens first
 
     @property
     def wait_s(self) -> float:
@@ -52,3 +70,23 @@ class AgentSession:
     @property
     def num_tokens(self) -> int:
         return sum(s.new_input_tokens + s.output_tokens for s in self.steps)
+
+
+@dataclass(frozen=True)
+class TraceSet:
+    """Sessions loaded from one trace, with the factors applied and where every part came from.
+
+    token_scale / time_scale: token counts / durations were divided by these
+    (ratios kept). provenance: one sentence per fact about origin or synthesis,
+    with citations; reports print it verbatim.
+    """
+
+    name: str
+    sessions: tuple[AgentSession, ...]
+    token_scale: float = 1.0
+    time_scale: float = 1.0
+    provenance: tuple[str, ...] = ()
+
+    def head(self, num_sessions: int) -> TraceSet:
+        """The first `num_sessions` sessions, same factors and provenance."""
+        return TraceSet(self.name, self.sessions[:num_sessions], self.token_scale, self.time_scale, self.provenance)
