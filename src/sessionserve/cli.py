@@ -1,10 +1,9 @@
-"""Command line: `sessionserve serve | make-model | generate | demo`."""
+"""Command line: `sessionserve serve | bench | demo | make-model | generate`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -66,37 +65,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(out.text)
 
 
-def cmd_demo(args: argparse.Namespace) -> None:
-    """Batched generation on the embedded default model, with the figures a user checks first."""
-    from sessionserve import SamplingParams
-
-    print("loading the model (the first run builds the embedded default model and the attention kernel)...")
-    t0 = time.perf_counter()
-    llm = _make_llm(args)
-    eng = llm.engine
-    arch = eng.runner.arch
-    print(f"model: {eng.model_dir} ({arch.architecture}, {arch.num_params() / 1e6:.0f}M params, random weights)")
-    print(f"device: {eng.runner.device}, dtype: {eng.runner.dtype}, KV blocks: {eng.runner.num_blocks} "
-          f"x {eng.config.cache.block_size} tokens, loaded in {time.perf_counter() - t0:.1f}s")
-    system = "You are a coding agent. Read the task, plan, call tools, and report."
-    tasks = [f"Task {i}: find the function that parses config files and explain it." for i in range(args.num_prompts)]
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "system", "content": system},
-                                                  {"role": "user", "content": t}]) for t in tasks]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    dt = time.perf_counter() - t0
-    num_out = sum(len(o.token_ids) for o in outs)
-    num_in = sum(len(o.prompt_token_ids) for o in outs)
-    cached = sum(o.num_cached_tokens for o in outs)
-    print(f"\n{len(outs)} requests, {num_in} prompt tokens ({cached} from the prefix cache), "
-          f"{num_out} generated in {dt:.2f}s: {num_out / dt:.1f} tokens/s")
-    print(f"first output: {outs[0].text[:160]!r}")
-    eng.kv.check_integrity()
-    print(f"KV blocks in use after the batch: {eng.kv.pool.num_blocks - eng.kv.num_free_blocks} "
-          f"(cached for reuse: {eng.kv.pool.num_cached_blocks})")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="sessionserve", description="An LLM inference server built for AI agents.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,11 +98,15 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
     gen.set_defaults(func=cmd_generate)
 
-    demo = sub.add_parser("demo", help="run a batched generation on the embedded default model")
-    _engine_args(demo)
-    demo.add_argument("--num-prompts", type=int, default=16)
-    demo.add_argument("--max-tokens", type=int, default=32)
-    demo.set_defaults(func=cmd_demo)
+    from sessionserve import cli_bench
+
+    bench = sub.add_parser("bench", help="replay an agent trace, compare residency policies, write a report")
+    cli_bench.add_bench_arguments(bench)
+    bench.set_defaults(func=cli_bench.run_bench)
+
+    demo = sub.add_parser("demo", help="a short agent-trace replay on the embedded default model, with a report")
+    cli_bench.add_demo_arguments(demo)
+    demo.set_defaults(func=cli_bench.run_demo)
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "make-model":

@@ -25,13 +25,13 @@ from sessionserve.agent.loop import (Agent, AgentConfig, AgentEvent, AgentResult
                                      ToolDone)
 from sessionserve.agent.reply import ModelReply, ToolCall
 from sessionserve.agent.retry import Backoff, RetryBudget, parse_retry_after_s, process_budget
-from sessionserve.agent.timing import SpanExporter, StepRecord, ToolCallRecord
+from sessionserve.agent.timing import RunTracer, StepRecord, ToolCallRecord
 from sessionserve.agent.tools import Tool, ToolArgumentsError, ToolError, ToolRegistry, make_tool
 
 __all__ = [
     "Agent", "AgentConfig", "AgentEvent", "AgentResult", "Backoff", "BreakerConfig", "BreakerState", "ChatClient",
     "CircuitBreaker", "LatencyEstimator", "ModelError", "ModelReply", "PlannedCall", "RetryBudget", "RunDone",
-    "SpanExporter", "StepDone", "StepRecord", "TextDelta", "Tool", "ToolArgumentsError", "ToolCall",
-    "ToolCallRecord", "ToolDone", "ToolError", "ToolExecutor", "ToolRegistry", "ToolResult", "critical_path_s",
-    "make_tool", "parse_retry_after_s", "process_budget", "topological_waves",
+    "RunTracer", "StepDone", "StepRecord", "TextDelta", "Tool", "ToolArgumentsError", "ToolCall", "ToolCallRecord",
+    "ToolDone", "ToolError", "ToolExecutor", "ToolRegistry", "ToolResult", "critical_path_s", "make_tool",
+    "parse_retry_after_s", "process_budget", "topological_waves",
 ]

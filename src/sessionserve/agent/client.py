@@ -35,14 +35,17 @@ SESSION_HEADER = "X-Session-ID"
 class ModelError(Exception):
     """The endpoint refused or failed a request (after any retries)."""
 
-    def __init__(self, status: int | None, message: str, *, retry_after_s: float | None = None) -> None:
+    def __init__(self, status: int | None, message: str, *, retry_after_s: float | None = None,
+                 is_partial: bool = False) -> None:
         super().__init__(f"{status}: {message}" if status is not None else message)
         self.status = status
         self.retry_after_s = retry_after_s
+        self.is_partial = is_partial  # a stream failed after text reached the caller
 
     @property
     def is_retryable(self) -> bool:
-        return self.status is None or self.status in RETRYABLE_STATUS
+        # NOTE: a retried stream would show the caller its text twice.
+        return not self.is_partial and (self.status is None or self.status in RETRYABLE_STATUS)
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -170,16 +173,14 @@ class ChatClient:
         num_failed = 0
         while True:
             self.num_attempts += 1
-            emitted: list[bool] = [False]
             try:
                 if stream:
-                    return await self._stream(body, headers, on_text, num_failed + 1, emitted)
+                    return await self._stream(body, headers, on_text, num_failed + 1)
                 return await self._post(body, headers, num_failed + 1)
             except (ModelError, httpx.TimeoutException, httpx.TransportError) as exc:
                 err = exc if isinstance(exc, ModelError) else ModelError(None, f"{type(exc).__name__}: {exc}")
                 num_failed += 1
-                delay_s = self.backoff.delay_s(num_failed, self.rng, err.retry_after_s) \
-                    if err.is_retryable and not emitted[0] else None
+                delay_s = self.backoff.delay_s(num_failed, self.rng, err.retry_after_s) if err.is_retryable else None
                 if delay_s is None or not self.budget.try_acquire_retry(self.clock()):
                     raise err from None
                 await asyncio.sleep(delay_s)
@@ -192,7 +193,7 @@ class ChatClient:
         return reply_from_json(resp.json(), num_attempts)
 
     async def _stream(self, body: dict[str, Any], headers: dict[str, str], on_text: Callable[[str], None] | None,
-                      num_attempts: int, emitted: list[bool]) -> ModelReply:
+                      num_attempts: int) -> ModelReply:
         asm = StreamAssembler()
         async with self._http.stream("POST", f"{self.base_url}/chat/completions", json=body,
                                      headers=headers) as resp:
@@ -200,20 +201,22 @@ class ChatClient:
                 await resp.aread()
                 raise ModelError(resp.status_code, _error_message(resp),
                                  retry_after_s=parse_retry_after_s(dict(resp.headers)))
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:  # an error after the 200: the server's way to fail mid-stream
-                    err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
-                    raise ModelError(err.get("code") if isinstance(err.get("code"), int) else 500,
-                                     str(err.get("message")))
-                text = asm.feed(chunk)
-                if text:
-                    emitted[0] = True
-                    if on_text is not None:
+            try:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:  # an error after the 200: the server's way to fail mid-stream
+                        err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
+                        raise ModelError(500, str(err.get("message")), is_partial=bool(asm.content))
+                    text = asm.feed(chunk)
+                    if text and on_text is not None:
                         on_text(text)
+            except httpx.HTTPError as exc:
+                if not asm.content:
+                    raise
+                raise ModelError(None, f"{type(exc).__name__}: {exc}", is_partial=True) from None
         return asm.reply(num_attempts)

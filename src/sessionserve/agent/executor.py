@@ -78,8 +78,9 @@ class ToolExecutor:
 
     def __init__(self, registry: ToolRegistry, *, budget: RetryBudget, backoff: Backoff | None = None,
                  breaker: BreakerConfig | None = None, estimator: LatencyEstimator | None = None,
-                 max_workers: int = 64, num_warm_threads: int = 16, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_workers: int = 64, num_warm_threads: int = 16, max_concurrent_calls: int | None = None,
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`max_concurrent_calls`: calls of all tools in flight at once (None: no limit; 1: one after another)."""
         self.registry = registry
         self.budget = budget
         self.backoff = backoff or Backoff()
@@ -87,6 +88,7 @@ class ToolExecutor:
         self.estimator = estimator or LatencyEstimator()
         self.rng = rng or random.Random()
         self.clock = clock
+        self.max_concurrent_calls = max_concurrent_calls
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="agent-tool")
         self._warm(min(num_warm_threads, max_workers))
         self._breakers: dict[str, CircuitBreaker] = {}
@@ -169,12 +171,13 @@ class ToolExecutor:
         if loop is not self._loop:
             self._loop, self._semaphores = loop, {}
 
-    def _semaphore(self, tool: Tool) -> asyncio.Semaphore | None:
-        if tool.max_concurrency is None:
-            return None
-        if tool.name not in self._semaphores:
-            self._semaphores[tool.name] = asyncio.Semaphore(tool.max_concurrency)
-        return self._semaphores[tool.name]
+    def _semaphores_for(self, tool: Tool) -> list[asyncio.Semaphore]:
+        """The limits a call of `tool` must pass, always in the same order (tool, then global): no deadlock."""
+        limits = [(tool.name, tool.max_concurrency), ("", self.max_concurrent_calls)]
+        for key, limit in limits:
+            if limit is not None and key not in self._semaphores:
+                self._semaphores[key] = asyncio.Semaphore(limit)
+        return [self._semaphores[key] for key, limit in limits if limit is not None]
 
     def _fail(self, call: PlannedCall, rec: ToolCallRecord, error: str) -> ToolResult:
         rec.is_ok, rec.error = False, error
@@ -191,17 +194,23 @@ class ToolExecutor:
         except ToolError as exc:
             rec.started_s = rec.finished_s = rec.ready_s
             return self._fail(call, rec, str(exc))
-        sem = self._semaphore(tool)
-        if sem is not None:
-            await sem.acquire()
+        sems = self._semaphores_for(tool)
+        for i, sem in enumerate(sems):
+            try:
+                await sem.acquire()
+            except BaseException:  # cancelled while queued: give back what was taken
+                for taken in sems[:i]:
+                    taken.release()
+                raise
         try:
             rec.started_s = self.clock()
             result = await self._attempts(tool, call, args, rec)
             rec.finished_s = self.clock()
-            self.estimator.observe(tool.name, rec.duration_s)
+            if rec.num_attempts:  # a call refused before running says nothing about how long the tool takes
+                self.estimator.observe(tool.name, rec.duration_s)
             return result
         finally:
-            if sem is not None:
+            for sem in sems:
                 sem.release()
 
     async def _attempts(self, tool: Tool, call: PlannedCall, args: dict[str, Any],

@@ -26,7 +26,7 @@ from typing import Any, Union
 from sessionserve.agent.client import ChatClient, ModelError
 from sessionserve.agent.executor import PlannedCall, ToolExecutor, ToolResult
 from sessionserve.agent.reply import ToolCall
-from sessionserve.agent.timing import SpanExporter, StepRecord
+from sessionserve.agent.timing import RunTracer, StepRecord
 from sessionserve.agent.tools import ToolRegistry
 
 ToolChoice = Union[str, dict[str, Any], None]
@@ -123,7 +123,7 @@ class Agent:
             raise ValueError("the client and the executor must share one RetryBudget")
         self.budget = client.budget
         self.estimator = self.executor.estimator
-        self.spans = SpanExporter(tracer_provider)
+        self.spans = RunTracer(tracer_provider)
         self.clock = clock
 
     def close(self) -> None:
@@ -132,16 +132,19 @@ class Agent:
     async def stream(self, task: str | list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[AgentEvent]:
         """`run`, as events: text deltas, tool results, step records as they happen; `RunDone` last."""
         queue: asyncio.Queue[AgentEvent] = asyncio.Queue()
-        job = asyncio.ensure_future(self.run(task, on_event=queue.put_nowait, **kwargs))
-        job.add_done_callback(lambda j: None if j.cancelled() or j.exception() else queue.put_nowait(RunDone(j.result())))
+
+        async def drive() -> None:
+            queue.put_nowait(RunDone(await self.run(task, on_event=queue.put_nowait, **kwargs)))
+
+        job = asyncio.ensure_future(drive())
         try:
             while True:
                 get = asyncio.ensure_future(queue.get())
                 await asyncio.wait({get, job}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
+                if not get.done():  # the run ended: its RunDone is queued, or it raised
                     get.cancel()
-                    job.result()  # the run failed: raise its exception
-                    continue  # finished normally: RunDone is queued
+                    job.result()
+                    continue
                 event = get.result()
                 yield event
                 if isinstance(event, RunDone):
@@ -217,14 +220,17 @@ class Agent:
                          failed: set[tuple[str, str]], emit: Callable[[AgentEvent], None]) -> list[ToolResult]:
         plan = [PlannedCall(c.call_id, c.name, c.arguments, is_retry=call_signature(c) in failed) for c in calls]
         rec.tools_started_s = self.clock()
+        def on_result(r: ToolResult) -> None:
+            emit(ToolDone(step, r))
+
         try:
-            results, rec.critical_path_s = await self.executor.run_plan(plan, lambda r: emit(ToolDone(step, r)))
+            results, rec.critical_path_s = await self.executor.run_plan(plan, on_result)
         except ValueError:
-            # Tool-level dependencies that form a cycle within this step: run the calls one by one instead.
+            # Tool-level dependencies that form a cycle within this step (or repeated call ids from the
+            # model): run the calls one by one instead, the order the model gave.
             results = []
             for p in plan:
-                part, _ = await self.executor.run_plan([PlannedCall(p.call_id, p.name, p.arguments,
-                                                                    is_retry=p.is_retry)])
+                part, _ = await self.executor.run_plan([p], on_result)
                 results += part
             rec.critical_path_s = sum(r.record.duration_s for r in results)
         rec.tools_finished_s = self.clock()

@@ -5,8 +5,8 @@ retries under three re-plans is nine times the load on the thing that is
 already failing. So every layer (model HTTP calls, tool calls, re-plans
 after a tool failure) asks the same `RetryBudget` before it retries. The
 budget follows Finagle's and Envoy's retry budgets: over a sliding window, a
-retry is allowed only while retries < max(min_retries_per_s * window_s,
-ratio * requests). Requests are logical calls (first attempts); retries are
+retry is allowed only if, counting it, retries <= max(min_retries_per_s *
+window_s, ratio * requests). Requests are logical calls (first attempts); retries are
 everything else. With ratio 0.1 a process sends at most ~1.1x the attempts
 it would send with no failures, once the window holds more than
 min_retries_per_s * window_s / ratio requests.
@@ -82,13 +82,13 @@ class RetryBudget:
         """Whether a retry would be allowed now; records nothing."""
         with self._lock:
             self._prune(now)
-            return len(self._retries) < self._allowance()
+            return len(self._retries) + 1 <= self._allowance()
 
     def try_acquire_retry(self, now: float) -> bool:
         """Spend one retry if the window allows it. Records the retry on success."""
         with self._lock:
             self._prune(now)
-            if len(self._retries) < self._allowance():
+            if len(self._retries) + 1 <= self._allowance():
                 self._retries.append(now)
                 self.num_retries += 1
                 return True

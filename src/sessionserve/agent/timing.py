@@ -96,7 +96,7 @@ class StepRecord:
                 "model_attempts": self.model_attempts, "is_replan": self.is_replan}
 
 
-class SpanExporter:
+class RunTracer:
     """Turns step records into spans: `agent.run` > `agent.step` > `agent.model`, `agent.tool`."""
 
     def __init__(self, tracer_provider: Any = None) -> None:

@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import re
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ToolError(Exception):
@@ -52,6 +55,8 @@ class Tool:
     is_async: bool = False
 
     def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise ValueError(f"tool name {self.name!r} must be 1-64 characters of [A-Za-z0-9_-] (OpenAI's rule)")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"tool {self.name}: timeout_s must be > 0")
         if self.max_concurrency is not None and self.max_concurrency < 1:

@@ -23,7 +23,7 @@ synthesised (reports print it). On disk: JSONL, see `trace_io.py`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 SCHEMA_VERSION = 1
 
@@ -90,3 +90,38 @@ class TraceSet:
     def head(self, num_sessions: int) -> TraceSet:
         """The first `num_sessions` sessions, same factors and provenance."""
         return TraceSet(self.name, self.sessions[:num_sessions], self.token_scale, self.time_scale, self.provenance)
+
+    def scaled(self, token_scale: float = 1.0, time_scale: float = 1.0) -> TraceSet:
+        """Divide token counts and durations further by these factors (the recorded factors multiply)."""
+        if token_scale == 1.0 and time_scale == 1.0:
+            return self
+        return TraceSet(self.name, tuple(scale_session(s, token_scale, time_scale) for s in self.sessions),
+                        self.token_scale * token_scale, self.time_scale * time_scale, self.provenance)
+
+    def truncated(self, max_steps: int) -> TraceSet:
+        """Every session cut to its first `max_steps` steps (the last one becomes an "end" step)."""
+        return TraceSet(self.name, tuple(truncate_session(s, max_steps) for s in self.sessions), self.token_scale,
+                        self.time_scale, self.provenance)
+
+
+def scale_session(session: AgentSession, token_scale: float, time_scale: float) -> AgentSession:
+    """`session` with token counts divided by token_scale (at least 1) and times by time_scale."""
+    def tok(n: int) -> int:
+        return max(1, round(n / token_scale))
+
+    steps = tuple(replace(
+        s, new_input_tokens=tok(s.new_input_tokens), output_tokens=tok(s.output_tokens),
+        tool_calls=tuple(replace(c, duration_s=c.duration_s / time_scale) for c in s.tool_calls),
+        prefix_block_tokens=tok(s.prefix_block_tokens) if s.prefix_block_ids else 0,
+        context_kept_tokens=None if s.context_kept_tokens is None else round(s.context_kept_tokens / token_scale))
+        for s in session.steps)
+    arrival = None if session.arrival_s is None else session.arrival_s / time_scale
+    return AgentSession(session.session_id, steps, arrival, session.source, session.meta)
+
+
+def truncate_session(session: AgentSession, max_steps: int) -> AgentSession:
+    if len(session.steps) <= max_steps:
+        return session
+    steps = session.steps[:max_steps]
+    steps = steps[:-1] + (replace(steps[-1], tool_calls=(), wait_kind="end"),)
+    return AgentSession(session.session_id, steps, session.arrival_s, session.source, session.meta)

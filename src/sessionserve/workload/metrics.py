@@ -1,0 +1,103 @@
+"""Replay results to numbers: percentiles, per-run summaries, goodput at a JCT SLO from a load sweep.
+
+All pure functions of recorded data (no clocks), so they are tested on
+hand-made inputs. Times are seconds of replay time (the trace's times divided
+by its time scale); sessions per hour are per hour of replay time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from sessionserve.workload.replay import ReplayResult
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-quantile (0..1) with linear interpolation between order statistics (numpy's default); None if empty."""
+    s = sorted(values)
+    if not s:
+        return None
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def summarize(result: ReplayResult) -> dict[str, float | int | str | None]:
+    """The headline figures of one replay run (one policy at one load)."""
+    done = [s for s in result.sessions if s.end_s is not None]
+    jct = [s.jct_s for s in done if s.jct_s is not None]
+    ttft = [r.result.ttft_s for r in result.steps if r.result.ttft_s is not None]
+    tpot = [r.result.tpot_s for r in result.steps if r.result.tpot_s is not None]
+    stats: dict[str, float] = {}
+    for s in result.sessions:
+        for k, v in s.stats.items():
+            stats[k] = stats.get(k, 0) + v
+    hits, late, misses = (stats.get(k) for k in ("num_prefetch_hits", "num_prefetch_late", "num_restore_misses"))
+    restores = None if hits is None else hits + (late or 0) + (misses or 0)
+    prompt = sum(r.result.num_prompt_tokens for r in result.steps)
+    cached = sum(r.result.num_cached_tokens for r in result.steps)
+    return {
+        "load": result.load.label, "load_level": result.load.level,
+        "num_sessions": len(result.sessions), "num_completed": len(done),
+        "num_failed": len(result.sessions) - len(done),
+        "first_error": next((s.error for s in result.sessions if s.error), None),
+        "num_steps": len(result.steps), "makespan_s": result.makespan_s,
+        "sessions_per_hour": 3600 * len(done) / result.makespan_s if result.makespan_s > 0 else None,
+        "jct_p50_s": percentile(jct, 0.5), "jct_p90_s": percentile(jct, 0.9), "jct_p99_s": percentile(jct, 0.99),
+        "jct_mean_s": sum(jct) / len(jct) if jct else None,
+        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
+        "prompt_tokens": prompt, "cached_tokens": cached, "cached_fraction": ratio(cached, prompt),
+        "recompute_tokens": stats.get("num_recompute_tokens"),
+        "prefilled_tokens": stats.get("num_computed_prompt_tokens"),
+        "prefetch_hits": hits, "prefetch_late": late, "restore_misses": misses,
+        "prefetch_hit_rate": ratio(hits, restores),
+        "restore_blocked_s": stats.get("restore_blocked_s"),
+        "wait_s_total": sum(s.total_wait_s for s in result.sessions),
+        "cpu_busy_fraction": ratio(result.busy_s, result.makespan_s),
+        "cpu_utilization": ratio(result.cpu_s, result.makespan_s * result.num_cpus) if result.cpu_s else None,
+        "peak_device_kv_bytes": max((s.get("device_bytes", 0) for s in result.kv_samples), default=None),
+        "peak_host_kv_bytes": max((s.get("host_bytes", 0) for s in result.kv_samples), default=None),
+        **result.extra,
+    }
+
+
+class LoadPoint(NamedTuple):
+    load_level: float
+    sessions_per_hour: float | None
+    jct_p99_s: float | None
+    num_failed: int = 0
+
+
+def goodput_at_slo(points: Sequence[LoadPoint], slo_jct_s: float) -> float:
+    """Sessions per hour at the highest-throughput load that meets the SLO (p99 JCT <= slo, no failures); 0 if none.
+
+    NOTE: a load that misses the SLO counts for nothing, even if it completes more sessions: goodput is what a
+    provider can sell at that latency promise.
+    """
+    ok = [p.sessions_per_hour for p in points if p.jct_p99_s is not None and p.sessions_per_hour is not None
+          and p.jct_p99_s <= slo_jct_s and p.num_failed == 0]
+    return max(ok, default=0.0)
+
+
+def default_slo_s(baseline: Sequence[LoadPoint], factor: float = 2.0) -> float | None:
+    """`factor` x the p99 JCT of the baseline at its lightest load: "at most twice as slow as unloaded"."""
+    usable = [p for p in baseline if p.jct_p99_s is not None]
+    if not usable:
+        return None
+    return factor * min(usable, key=lambda p: p.load_level).jct_p99_s  # type: ignore[operator]
+
+
+def cdf(values: Iterable[float]) -> tuple[list[float], list[float]]:
+    """(sorted values, cumulative fractions) for a step plot."""
+    s = sorted(values)
+    return s, [(i + 1) / len(s) for i in range(len(s))]

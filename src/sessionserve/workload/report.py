@@ -1,0 +1,120 @@
+"""The report folder: results.json, report.md (tables with ratios to the baseline), and the PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from sessionserve.workload.plots import write_plots
+from sessionserve.workload.replay import ReplayResult
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _x(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}x"
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.0f}%"
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """report.md from results.json's content (pure)."""
+    tr = results["trace"]
+    base = results["baseline"]
+    lines = [
+        f"# Agent workload: {tr['name']}",
+        "",
+        f"Command: `{results.get('command', '')}`",
+        "",
+        f"- Date: {results.get('date', '')}; backend: {results.get('backend', '')}; model: {results.get('model', '')}",
+        f"- Machine: {results.get('machine', '')}",
+        f"- Settings: {', '.join(f'{k}={v}' for k, v in results.get('settings', {}).items())}",
+        f"- **Scale factors: token counts / {tr['token_scale']:g}, times / {tr['time_scale']:g}** (ratios kept; "
+        "all times below are replay seconds, sessions per hour are per replay hour)",
+        f"- Workload: {tr['num_sessions']} sessions, {tr['num_steps']} LLM steps",
+        "",
+        "## Where the workload comes from",
+        "",
+        *[f"- {p}" for p in tr["provenance"]],
+        "",
+        f"## Results at {results['reference_load']} (ratios to `{base}`)",
+        "",
+        f"SLO: p99 session JCT <= {_fmt(results['slo_jct_p99_s'], 1)} s ({results['slo_rule']}). "
+        "Goodput = sessions per hour at the heaviest load of the sweep that meets it.",
+        "",
+        "| policy | sessions/h at SLO | vs base | sessions/h | JCT p50 s | JCT p99 s | vs base | TTFT p50 s | "
+        "TTFT p99 s | vs base | recompute tokens | vs base | prefetch hit rate | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in results["policies"].items():
+        vs = s["vs_baseline"]
+        lines.append(
+            f"| {name} | {_fmt(s['sessions_per_hour_at_slo'], 1)} | {_x(vs['sessions_per_hour_at_slo'])} | "
+            f"{_fmt(s['sessions_per_hour'], 1)} | {_fmt(s['jct_p50_s'])} | {_fmt(s['jct_p99_s'])} | "
+            f"{_x(vs['jct_p99_s'])} | {_fmt(s['ttft_p50_s'], 3)} | {_fmt(s['ttft_p99_s'], 3)} | "
+            f"{_x(vs['ttft_p99_s'])} | {_fmt(s['recompute_tokens'])} | {_x(vs['recompute_tokens'])} | "
+            f"{_pct(s['prefetch_hit_rate'])} | {_fmt(s['num_failed'])} |")
+    lines += ["", "## Load sweep", "",
+              "| policy | load | completed | sessions/h | JCT p50 s | JCT p99 s | TTFT p99 s | TPOT p50 s | "
+              "recompute tokens | cached prompt | prefetch hit rate | engine busy | peak device KV MiB | "
+              "peak host KV MiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in results["policies"].items():
+        for p in s["loads"]:
+            dev = None if p["peak_device_kv_bytes"] is None else p["peak_device_kv_bytes"] / (1 << 20)
+            host = None if p["peak_host_kv_bytes"] is None else p["peak_host_kv_bytes"] / (1 << 20)
+            lines.append(
+                f"| {name} | {p['load']} | {p['num_completed']}/{p['num_sessions']} | "
+                f"{_fmt(p['sessions_per_hour'], 1)} | {_fmt(p['jct_p50_s'])} | {_fmt(p['jct_p99_s'])} | "
+                f"{_fmt(p['ttft_p99_s'], 3)} | {_fmt(p['tpot_p50_s'], 3)} | {_fmt(p['recompute_tokens'])} | "
+                f"{_pct(p['cached_fraction'])} | {_pct(p['prefetch_hit_rate'])} | {_pct(p['cpu_busy_fraction'])} | "
+                f"{_fmt(dev, 1)} | {_fmt(host, 1)} |")
+    errors = [(n, p["load"], p["first_error"]) for n, s in results["policies"].items() for p in s["loads"]
+              if p["first_error"]]
+    if errors:
+        lines += ["", "Failed sessions (first error per run):", ""]
+        lines += [f"- {n} @ {load}: `{err}`" for n, load, err in errors]
+    stand_ins = sum(p.get("stand_in_output_steps") or 0 for s in results["policies"].values() for p in s["loads"])
+    if stand_ins:
+        lines += ["", f"Note: on {stand_ins:,} steps the server did not return the generated token ids, so the next "
+                      "prompt repeated stand-in ids of the same length there: the server re-prefilled those output "
+                      "tokens (visible as a lower cached-prompt share)."]
+    lines += [
+        "", "## Plots", "",
+        "![JCT CDF](jct_cdf.png)", "![goodput vs load](goodput.png)", "![KV bytes by tier](kv_tiers.png)",
+        "![TTFT](ttft.png)", "",
+        "## Definitions", "",
+        "- JCT: a session's arrival (open loop) or start (closed loop) to its last step's last token, "
+        "tool waits included.",
+        "- TTFT / TPOT: per LLM step, from the request entering the server.",
+        "- Recompute tokens: prompt tokens prefilled again that the session had computed before (server count).",
+        "- Prefetch hit rate: resumed steps whose KV was already back on device / all resumes from off device.",
+        "- Engine busy: wall time the engine spent in steps with work / run time.",
+        "- Headline figures are at the reference load, the heaviest of the sweep.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out_dir: str | Path, results: dict[str, Any], runs: dict[str, list[ReplayResult]]) -> Path:
+    """Write results.json, report.md and the plots into `out_dir`; returns report.md's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    report = out / "report.md"
+    report.write_text(render_markdown(results))
+    tr = results["trace"]
+    write_plots(out, runs, results, f"{tr['name']}, tokens/{tr['token_scale']:g}, time/{tr['time_scale']:g}, "
+                                    f"{results.get('model', '')}")
+    return report

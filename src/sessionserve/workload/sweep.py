@@ -1,0 +1,79 @@
+"""Runs of a trace: every policy at every load, side by side in one process (in-process), or one server (HTTP).
+
+In-process, each (policy, load) run gets a fresh `LLMEngine` with the same
+config but the residency policy, so no run inherits another's cache. A short
+warm-up run first builds kernels and caches, so the first policy does not
+pay for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sessionserve.workload.backend import Backend
+from sessionserve.workload.progress import Progress
+from sessionserve.workload.replay import InprocBackend, LoadSpec, ReplayResult, SessionRecord, replay
+from sessionserve.workload.trace import AgentSession, Step, TraceSet
+
+Runs = dict[str, list[ReplayResult]]  # series (policy or server label) -> one result per load, in load order
+
+
+def _tick(progress: Progress | None) -> Callable[[SessionRecord], None] | None:
+    return None if progress is None else (lambda _rec: progress.advance())
+
+
+def warm_up(model_dir: str | Path, engine_kwargs: dict[str, Any], seed: int = 0) -> None:
+    """One 2-step session on a throwaway engine: builds the attention kernel and warms caches."""
+    from sessionserve.config import Config
+    from sessionserve.llm_engine import LLMEngine
+
+    eng = LLMEngine(Config.from_kwargs(**engine_kwargs), model_dir)
+    session = AgentSession("warmup", (Step(64, 4, (), "tool"), Step(16, 4, (), "end")))
+    try:
+        asyncio.run(replay(InprocBackend(eng), [session], LoadSpec("closed", 1), seed=seed))
+    finally:
+        eng.close()
+
+
+def run_inproc(trace: TraceSet, policies: Sequence[str], loads: Sequence[LoadSpec], model_dir: str | Path,
+               engine_kwargs: dict[str, Any], *, seed: int = 0, hint_waits: bool = False,
+               progress: Progress | None = None) -> Runs:
+    """Replay `trace` once per (policy, load) on fresh engines; `engine_kwargs` go to `Config.from_kwargs`."""
+    from sessionserve.config import Config
+    from sessionserve.llm_engine import LLMEngine
+
+    runs: Runs = {p: [] for p in policies}
+    for load in loads:
+        for policy in policies:
+            if progress is not None:
+                progress.set_label(f"{policy} @ {load.label}")
+            eng = LLMEngine(Config.from_kwargs(residency_policy=policy, **engine_kwargs), model_dir)
+            try:
+                result = asyncio.run(replay(InprocBackend(eng, hint_waits), trace.sessions, load, seed=seed,
+                                            on_session_done=_tick(progress)))
+                eng.kv.check_integrity()
+                result.extra["leaked_blocks"] = eng.kv.pool.num_used_blocks
+                result.extra["preemptions"] = eng.core.scheduler.num_preemptions
+            finally:
+                eng.close()
+            runs[policy].append(result)
+    return runs
+
+
+def run_http(trace: TraceSet, label: str, loads: Sequence[LoadSpec], make_backend: Callable[[], Backend], *,
+             seed: int = 0, progress: Progress | None = None) -> Runs:
+    """Replay `trace` once per load against a server; `make_backend` gives a fresh backend per run."""
+    runs: Runs = {label: []}
+    for load in loads:
+        if progress is not None:
+            progress.set_label(f"{label} @ {load.label}")
+        backend = make_backend()
+        result = asyncio.run(replay(backend, trace.sessions, load, seed=seed, on_session_done=_tick(progress)))
+        stand_ins = getattr(backend, "num_stand_in_steps", None)
+        if stand_ins is not None:
+            result.extra["stand_in_output_steps"] = stand_ins
+        runs[label].append(result)
+    return runs
