@@ -9,7 +9,7 @@ mapping of requests to engine arguments (`sampling_kwargs`,
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import Field, field_validator
 
@@ -20,7 +20,6 @@ from sessionserve.server.protocol_chat import (
     FunctionDef,
     JsonSchemaFormat,
     ResponseFormat,
-    StreamOptions,
     Tool,
     ToolCall,
     ToolCallFunction,
@@ -29,10 +28,9 @@ from sessionserve.server.protocol_chat import (
 from sessionserve.server.protocol_common import (
     OpenAIError,
     RequestModel,
+    SamplingRequest,
+    StreamOptions,
     bad_request,
-    check_logit_bias,
-    check_session_id,
-    check_stop,
     format_validation_error,
     format_validation_errors,
     not_found,
@@ -92,54 +90,20 @@ def _check_prompt(value: Any) -> str | list[int]:
     raise ValueError("must be a string, a list with one string, or a list of token ids")
 
 
-class CompletionRequest(RequestModel):
+class CompletionRequest(SamplingRequest):
     """Body of POST /v1/completions (legacy). `prompt` is normalized to a string or a list of token ids."""
 
-    model: str
     prompt: Any
     max_tokens: int | None = Field(default=COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
-    stop: Any = None
-    n: int | None = None
     best_of: int | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, ignored
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, ignored
-    logit_bias: Any = None
-    user: str | None = None
-    # Session and sampling extensions, as in ChatCompletionRequest.
-    session_id: str | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = Field(default=None, ge=0)
-    top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
     def validate_prompt(cls, value: Any) -> Any:
         return _check_prompt(value)
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def validate_stop(cls, value: Any) -> Any:
-        return check_stop(value)
-
-    @field_validator("logit_bias", mode="before")
-    @classmethod
-    def validate_logit_bias(cls, value: Any) -> Any:
-        return check_logit_bias(value)
-
-    @field_validator("session_id")
-    @classmethod
-    def validate_session_id(cls, value: str | None) -> str | None:
-        return check_session_id(value)
 
     @field_validator("n", "best_of")
     @classmethod
@@ -161,10 +125,6 @@ class CompletionRequest(RequestModel):
         if value:
             raise ValueError("suffix is not supported by this server")
         return value
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:

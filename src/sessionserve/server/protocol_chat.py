@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from sessionserve.server.protocol_common import (
     RequestModel,
+    SamplingRequest,
     bad_request,
-    check_logit_bias,
-    check_session_id,
-    check_stop,
     parse_request,
 )
 
@@ -110,10 +108,6 @@ class Tool(RequestModel):
     function: FunctionDef
 
 
-class StreamOptions(RequestModel):
-    include_usage: bool | None = None
-
-
 class JsonSchemaFormat(RequestModel):
     name: str
     description: str | None = None
@@ -147,55 +141,20 @@ def _check_tool_choice(value: Any) -> str | dict[str, Any] | None:
     raise ValueError("must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}")
 
 
-class ChatCompletionRequest(RequestModel):
+class ChatCompletionRequest(SamplingRequest):
     """Body of POST /v1/chat/completions."""
 
-    model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
-    stop: Any = None
-    n: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, ignored
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, ignored
-    logit_bias: Any = None
     response_format: ResponseFormat | None = None
-    user: str | None = None
-    # Session extensions.
-    session_id: str | None = None
     priority: Literal["interactive", "batch"] | None = None
     expected_wait_s: float | None = Field(default=None, ge=0)
-    ignore_eos: bool | None = None
-    min_tokens: int | None = Field(default=None, ge=0)
-    # vLLM-style sampling extensions.
-    top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def validate_stop(cls, value: Any) -> Any:
-        return check_stop(value)
-
-    @field_validator("logit_bias", mode="before")
-    @classmethod
-    def validate_logit_bias(cls, value: Any) -> Any:
-        return check_logit_bias(value)
-
-    @field_validator("session_id")
-    @classmethod
-    def validate_session_id(cls, value: str | None) -> str | None:
-        return check_session_id(value)
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -241,9 +200,6 @@ class ChatCompletionRequest(RequestModel):
         """The requested output cap; max_completion_tokens wins over the deprecated max_tokens."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @property
     def tool_names(self) -> set[str] | None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ErrorType = Literal[
     "invalid_request_error", "not_found_error", "authentication_error", "rate_limit_error", "server_error"
@@ -162,3 +162,51 @@ def check_logit_bias(value: Any) -> dict[int, float] | None:
             raise ValueError(f"bias for token {key} must be a number in [-100, 100]")
         out[int(key)] = float(bias)
     return out
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool | None = None
+
+
+class SamplingRequest(RequestModel):
+    """Fields and checks shared by chat and legacy completion requests (OpenAI's, plus our extensions)."""
+
+    model: str
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    stop: Any = None
+    n: int | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, ignored
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, ignored
+    logit_bias: Any = None
+    user: str | None = None
+    # Session extension.
+    session_id: str | None = None
+    # vLLM-style sampling extensions.
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def validate_stop(cls, value: Any) -> Any:
+        return check_stop(value)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def validate_logit_bias(cls, value: Any) -> Any:
+        return check_logit_bias(value)
+
+    @field_validator("session_id")
+    @classmethod
+    def validate_session_id(cls, value: str | None) -> str | None:
+        return check_session_id(value)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
