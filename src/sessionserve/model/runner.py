@@ -66,7 +66,7 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.arch.num_layers)]
-        self.use_kernel = (self.device.type == "cpu" and self.dtype == torch.float32
+        self.use_kernel = (self.device.type == "cpu"
                            and self.arch.num_heads // self.arch.num_kv_heads <= 16
                            and self.arch.head_dim <= 256 and paged_kernel.available())
         self._generators: dict[str, tuple[Sequence, torch.Generator]] = {}
