@@ -12,10 +12,11 @@ them out through the mover. One interface, chosen by name:
                drop (after Continuum)
   least-waste  per session, keep / swap to host / drop by the memory-time
                each wastes (after InferCept)
-  predictive   ours: offload by predicted time to next use when memory is
-               tight, host or disk by size and room, prefetch so the KV is
-               back just before the predicted resume, keep short waits in
-               place, and re-offload when a prediction proves wrong
+  predictive   ours: keep short predicted waits in place; move longer ones to
+               host (or disk, by size and room) as soon as they park, and
+               under pressure the farthest predicted next use first; prefetch
+               so the KV is back just before the predicted resume; re-offload
+               when a prediction proves wrong
 """
 
 from __future__ import annotations
@@ -190,6 +191,10 @@ class PredictivePolicy:
     prefetch_lead: float = 2.0
     # Sessions larger than this share of the host tier's free room go to disk.
     host_share: float = 0.5
+    # A wait shorter than this many host round trips (and this floor) stays on device:
+    # moving it out and back would cost more than holding it.
+    keep_round_trips: float = 4.0
+    keep_floor_s: float = 0.25
 
     def remaining_s(self, s: ParkedSession, now_s: float) -> float:
         """Expected time until resume, given how long it has already waited."""
@@ -208,13 +213,21 @@ class PredictivePolicy:
         actions: list[ResidencyAction] = []
         host_free, disk_free = view.num_free_host_blocks, view.num_free_disk_blocks
 
-        # Demote: farthest predicted next use first, while device memory is short.
+        # Demote: farthest predicted next use first. Long waits leave at once (NOTE: waiting
+        # for pressure means the next prefill finds no room and preempts running work, whose
+        # recompute costs more than the move); short ones only while memory is short.
         farthest_first = sorted(_on_device(view), key=lambda s: -self.remaining_s(s, now))
         for s in farthest_first:
-            if need <= 0:
-                break
             remaining = self.remaining_s(s, now)
             host_rt = 2 * c.host_s_per_block * s.num_blocks
+            is_long = remaining > max(self.keep_floor_s, self.keep_round_trips * host_rt)
+            if need <= 0 and not is_long:
+                break
+            if need <= 0:
+                if host_free >= s.num_blocks:
+                    actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
+                    host_free -= s.num_blocks
+                continue
             recompute_s = c.recompute_s_per_token * s.num_tokens
             if host_free >= s.num_blocks and s.num_blocks <= max(1, self.host_share * host_free) \
                     and host_rt < remaining:

@@ -61,13 +61,18 @@ def test_least_waste_keeps_short_waits_and_swaps_long_ones() -> None:
     assert kinds(lw.decide(view([long], host=0))) == {"long": ActionKind.DROP}
 
 
-def test_predictive_keeps_everything_while_memory_is_plentiful() -> None:
-    assert make_policy("predictive").decide(view([parked("a", p50=100.0)], free=80)) == ()
+def test_predictive_keeps_short_waits_and_moves_long_ones_at_once() -> None:
+    pol = make_policy("predictive")
+    assert pol.decide(view([parked("short", p50=0.1, parked_s=0.99)], free=80)) == ()
+    acts = pol.decide(view([parked("long", p50=100.0)], free=80))
+    assert kinds(acts) == {"long": ActionKind.OFFLOAD} and acts[0].tier is Tier.HOST
+    # Without host room a long wait stays put until memory is actually short.
+    assert pol.decide(view([parked("long", p50=100.0)], free=80, host=0)) == ()
 
 
 def test_predictive_demotes_farthest_next_use_first() -> None:
     pol = make_policy("predictive")
-    soon, late = parked("soon", p50=1.0), parked("late", p50=60.0)
+    soon, late = parked("soon", p50=0.1, parked_s=0.99), parked("late", p50=60.0)
     acts = pol.decide(view([soon, late], free=5))  # 5 below the 10% watermark
     assert kinds(acts) == {"late": ActionKind.OFFLOAD}
     assert acts[0].tier is Tier.HOST
