@@ -58,23 +58,25 @@ EOF
 
 # 1. Model (skipped when a complete folder of this shape is already there).
 step "model: $SHAPE -> $MODEL_DIR"
-if ! timeout 300 "$PY" bench/throughput.py --make-model "$MODEL_DIR" --shape "$SHAPE" --device "$DEVICE" \
+if ! timeout 240 "$PY" bench/throughput.py --make-model "$MODEL_DIR" --shape "$SHAPE" --device "$DEVICE" \
      --dtype "$DTYPE" 2>&1 | tee -a "$OUT/gpu.log"; then
   step "model build failed"; exit 1
 fi
 
 # 2. CUDA tests. Exit code 5 means none were collected, which is not a failure.
 step "pytest -m cuda"
-timeout 180 "$PY" -m pytest -q -m cuda tests > "$OUT/pytest-cuda.log" 2>&1
+timeout 150 "$PY" -m pytest -q -m cuda tests > "$OUT/pytest-cuda.log" 2>&1
 rc=$?
 tail -5 "$OUT/pytest-cuda.log" | tee -a "$OUT/gpu.log"
 if [[ $rc != 0 && $rc != 5 ]]; then step "pytest -m cuda failed (exit $rc)"; STATUS=1; fi
 
 # 3. Throughput, ours vs HF (vLLM's CPU build has no place here).
 step "throughput: $CASES, $DTYPE on $DEVICE"
-timeout 480 "$PY" bench/throughput.py --engines ours,hf --device "$DEVICE" --dtype "$DTYPE" \
+# Whatever is left of the 10 minutes (at least 2), half of it at most per engine.
+LEFT=$(( 570 - SECONDS )); (( LEFT < 120 )) && LEFT=120
+timeout "$LEFT" "$PY" bench/throughput.py --engines ours,hf --device "$DEVICE" --dtype "$DTYPE" \
   --model "$MODEL_DIR" --cases "$CASES" --repeats "$REPEATS" --kv-gib "$KV_GIB" --threads "$THREADS" \
-  --max-model-len 2048 --worker-timeout 300 --out "$OUT/throughput.json" > "$OUT/throughput.log" 2>&1
+  --max-model-len 2048 --worker-timeout $(( LEFT / 2 )) --out "$OUT/throughput.json" > "$OUT/throughput.log" 2>&1
 rc=$?
 grep -E '^\||^WARNING|start-up|results:' "$OUT/throughput.log" | tee -a "$OUT/gpu.log"
 if [[ $rc != 0 ]]; then step "throughput failed (exit $rc): see $OUT/throughput.log"; STATUS=1; fi

@@ -24,6 +24,12 @@ and collects the results. This module imports only the standard library at
 top level, because the vLLM worker runs under an interpreter without our
 package.
 
+The machine may be shared: before each timed run a worker waits until no
+process outside its own session uses CPU (``--idle-wait``), and it redoes, with
+fresh prompts, any run that other processes took more than ``--max-foreign``
+of the CPUs during; the report warns about what it had to keep anyway. Results
+are saved after every case and engine, so a killed run keeps what it measured.
+
 ``--make-model DIR --shape llama3-8b|tiny`` writes a random-weight model folder
 of that shape (used by bench/gpu.sh; ``tiny`` lets that path run on CPU).
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -144,10 +151,17 @@ def _load_ours(a: argparse.Namespace) -> tuple[Any, dict[str, str]]:
               dtype=a.dtype, device=a.device)
 
     def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], int]:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        # ignore_eos alone would still let EOS be *chosen* (just not stop); min_tokens bans it, as
+        # HF's min_new_tokens and vLLM's min_tokens do, so all three decode the same greedy ids.
+        outs = llm.generate(prompts, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True))
         return [list(o.token_ids) for o in outs], sum(o.num_cached_tokens for o in outs)
 
-    return generate, {"sessionserve": sessionserve.__version__, "torch": torch.__version__}
+    # The package is edited while benchmarks run: pin down exactly which code was measured.
+    digest = hashlib.sha1()
+    for f in sorted(Path(sessionserve.__file__).parent.rglob("*.py")):
+        digest.update(f.read_bytes())
+    return generate, {"sessionserve": sessionserve.__version__, "torch": torch.__version__,
+                      "src_sha1": digest.hexdigest()[:12]}
 
 
 def _load_hf(a: argparse.Namespace) -> tuple[Any, dict[str, str]]:
@@ -357,10 +371,17 @@ def run_worker(a: argparse.Namespace) -> None:
             "discarded_runs": discarded,
             "outputs_run0": first_outputs,
         }
-    tmp = Path(a.result_file).with_suffix(".tmp")
-    tmp.write_text(json.dumps(results))
-    os.replace(tmp, a.result_file)  # present means complete, even if the process then hangs at exit
+        # After every case, so a worker killed later (shared machine) still leaves what it measured.
+        _write_json_atomic(Path(a.result_file), results)
+    results["complete"] = True
+    _write_json_atomic(Path(a.result_file), results)  # complete even if the process then hangs at exit
     _log(a.worker, "done")
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
 
 
 def _log(engine: str, msg: str) -> None:
@@ -444,8 +465,12 @@ def run_engine(engine: str, a: argparse.Namespace, case_file: Path, workdir: Pat
         res = json.loads(result_file.read_text())
         res["process_s"] = elapsed
         res["load_avg_at_start"] = load[0]
-        if rc != 0:
-            res["note"] = f"results complete, but the worker exited with {rc}{' (timed out)' if timed_out else ''}"
+        why = f"timed out after {a.worker_timeout} s" if timed_out else f"exited with {rc}"
+        if not res.get("complete"):
+            res["error"] = f"{why} after {len(res['cases'])} case(s)"
+            _log("bench", f"{engine} failed ({res['error']}); last lines:\n" + "\n".join(tail))
+        elif rc != 0:
+            res["note"] = f"results complete, but the worker {why}"
         return res
     why = f"timed out after {a.worker_timeout} s" if timed_out else f"exited with {rc}"
     _log("bench", f"{engine} failed ({why}); last lines:\n" + "\n".join(tail))
@@ -498,8 +523,8 @@ def summarize(results: dict[str, dict[str, Any]], cases: list[dict[str, Any]]) -
 
 
 def markdown(summary: dict[str, Any], cases: list[dict[str, Any]], errors: dict[str, str], dtype: str) -> str:
-    lines = ["| case | engine | generated tok/s min | median | max | total tok/s median | wall s median | "
-             "ours / engine |",
+    lines = [("| case | engine | generated tok/s min | median | max | total tok/s median | wall s median | "
+              "ours / engine |"),
              "|---|---|---|---|---|---|---|---|"]
     warnings = []
     for case in cases:
@@ -597,8 +622,15 @@ def run_parent(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
             res = run_engine(engine, a, case_file, Path(tmp))
             if "error" in res:
                 errors[engine] = res["error"]
-            else:
+            if res.get("cases"):  # a failed worker's finished cases still count
                 results[engine] = res
+            write_report(a, cases, started, results, errors)  # after each engine: a kill loses little
+    return write_report(a, cases, started, results, errors, final=True)
+
+
+def write_report(a: argparse.Namespace, cases: list[dict[str, Any]], started: _dt.datetime,
+                 results: dict[str, dict[str, Any]], errors: dict[str, str], final: bool = False) -> int:
+    """Summarize, write the JSON report (partial until `final`), and at the end print the table."""
     summary = summarize(results, cases)
     table = markdown(summary, cases, errors, a.dtype)
     report = {
@@ -611,6 +643,7 @@ def run_parent(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         "errors": {e: {"error": errors[e]} for e in errors},
         "engines": results,
         "table_markdown": table,
+        "finished": final,
     }
     for k, v in report["settings"].items():
         if isinstance(v, Path):
@@ -618,6 +651,8 @@ def run_parent(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
+    if not final:
+        return 0
     print(table)
     for engine, res in results.items():
         print(f"{engine}: start-up {res['startup_s']:.1f} s, versions {res['versions']}"
@@ -631,11 +666,11 @@ def run_parent(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
 
 MODEL_SHAPES: dict[str, dict[str, int]] = {
     # Llama-3.1-8B's transformer shape, with our 16k vocab (the tokenizer we ship).
-    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      intermediate_size=14336, max_position_embeddings=131072),
+    "llama3-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "intermediate_size": 14336, "max_position_embeddings": 131072},
     # Same code path, a few MB: lets the gpu.sh flow run on a CPU machine.
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=384, max_position_embeddings=4096),
+    "tiny": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 384, "max_position_embeddings": 4096},
 }
 # Bytes per safetensors shard: big files load fast, small enough to stage in RAM.
 _SHARD_BYTES = 2 << 30
