@@ -5,7 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(url: str, is_alive: Callable[[], bool] = lambda: True, timeout_s: float = 120.0) -> None:
+    """Poll GET /health until it answers 200; raise if `is_alive()` turns false or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not is_alive():
+            raise RuntimeError("server exited before it was healthy")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("server did not start")
+
+
+@contextmanager
+def run_app(app: object) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free loopback port in a thread; yield its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, thread.is_alive)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 @dataclass
@@ -54,20 +86,5 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                                 spool_dir=str(tmp_path_factory.mktemp("spool")))
     engine = LLMEngine(config, tiny_llama)
     app = create_app(engine, model_name="tiny", auth=Auth(KEYS), max_sessions_per_tenant=50)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    else:
-        raise RuntimeError("server did not start")
-    yield LiveServer(url, engine, app)
-    server.should_exit = True
-    thread.join(timeout=30)
+    with run_app(app) as url:
+        yield LiveServer(url, engine, app)

@@ -6,11 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, wait_healthy
 
 
 def test_serve_starts_on_the_default_model_and_drains_on_sigterm() -> None:
@@ -20,15 +19,10 @@ def test_serve_starts_on_the_default_model_and_drains_on_sigterm() -> None:
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise AssertionError(proc.stdout.read())
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        try:
+            wait_healthy(url, lambda: proc.poll() is None)
+        except RuntimeError:
+            raise AssertionError(proc.stdout.read() if proc.poll() is not None else "no /health") from None
         models = httpx.get(url + "/v1/models").json()["data"]
         assert models[0]["id"] == "llama-small"
         r = httpx.post(url + "/v1/chat/completions", timeout=60,

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
-import uvicorn
 
 from sessionserve import LLMEngine
 from sessionserve.config import Config
@@ -19,29 +14,15 @@ from sessionserve.workload.http_backend import HttpBackend
 from sessionserve.workload.replay import LoadSpec
 from sessionserve.workload.sweep import run_http
 from sessionserve.workload.trace import AgentSession, Step, ToolCall, TraceSet
+from tests.server.conftest import run_app
 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = mm.ensure_model("llama", "tiny", tmp_path_factory.mktemp("model-cache"))
     engine = LLMEngine(Config.from_kwargs(num_blocks=256, compile=False, num_threads=1, host_kv_bytes=0), model)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name="tiny"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield base
-    server.should_exit = True
-    thread.join(timeout=30)
+    with run_app(create_app(engine, model_name="tiny")) as base:
+        yield base
 
 
 def trace() -> TraceSet:

@@ -105,7 +105,7 @@ class CompletionRequest(SamplingRequest):
     def validate_prompt(cls, value: Any) -> Any:
         return _check_prompt(value)
 
-    @field_validator("n", "best_of")
+    @field_validator("best_of")
     @classmethod
     def validate_one_choice(cls, value: int | None) -> int | None:
         if value is not None and value != 1:

@@ -161,12 +161,6 @@ class ChatCompletionRequest(SamplingRequest):
     def validate_tool_choice(cls, value: Any) -> Any:
         return _check_tool_choice(value)
 
-    @field_validator("n")
-    @classmethod
-    def validate_n(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @model_validator(mode="after")
     def validate_cross_field(self) -> ChatCompletionRequest:

@@ -207,6 +207,13 @@ class SamplingRequest(RequestModel):
     def validate_session_id(cls, value: str | None) -> str | None:
         return check_session_id(value)
 
+    @field_validator("n")
+    @classmethod
+    def validate_n(cls, n: int | None) -> int | None:
+        if n is not None and n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
 from sessionserve.core.guided import GuidedDecoding
 from sessionserve.core.sampling_params import SamplingParams
@@ -133,11 +132,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        body = await read_json(request)
-        try:
-            req = P.ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise P.format_validation_error(exc) from None
+        req = P.parse_chat_request(await read_json(request))
         check_model(req.model)
         sid = session_of(request, req.session_id)
         messages = req.template_messages()
@@ -196,19 +191,13 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body = await read_json(request)
-        try:
-            req = P.CompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise P.format_validation_error(exc) from None
+        req = P.parse_completion_request(await read_json(request))
         check_model(req.model)
         sid = session_of(request, req.session_id)
-        prompt_in = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) \
-            else req.prompt
-        if isinstance(prompt_in, str):
-            prompt = await asyncio.get_running_loop().run_in_executor(tokenize_pool, eng.tokenizer.encode, prompt_in)
+        if isinstance(req.prompt, str):  # the request model normalizes prompt to a string or token ids
+            prompt = await asyncio.get_running_loop().run_in_executor(tokenize_pool, eng.tokenizer.encode, req.prompt)
         else:
-            prompt = list(prompt_in)
+            prompt = list(req.prompt)
             if any(t < 0 or t >= eng.runner.arch.vocab_size for t in prompt):
                 raise P.OpenAIError(400, "prompt token ids out of range", "invalid_request_error", param="prompt")
         if not prompt:
