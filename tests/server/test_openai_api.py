@@ -223,3 +223,21 @@ def test_trace_of_one_session_step() -> None:
     assert root.attributes["sessionserve.session_step"] == 3
     assert all(s.parent.span_id == root.context.span_id for n, s in spans.items() if n != "chat.completion")
     assert spans["decode"].end_time - spans["decode"].start_time == 500_000_000
+
+
+def test_second_turn_while_one_runs_is_a_409(server: LiveServer) -> None:
+    import threading
+
+    auth = {"Authorization": "Bearer key-alice", "X-Session-ID": "busy-1"}
+    long = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 300, "ignore_eos": True}
+    first = threading.Thread(target=lambda: httpx.post(server.url + "/v1/chat/completions", json=long, headers=auth,
+                                                       timeout=120))
+    first.start()
+    for _ in range(200):
+        info = httpx.get(server.url + "/v1/sessions/busy-1", headers=auth)
+        if info.status_code == 200 and info.json()["state"] == "running":
+            break
+        time.sleep(0.01)
+    r = httpx.post(server.url + "/v1/chat/completions", json={**long, "max_tokens": 2}, headers=auth)
+    first.join()
+    assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"

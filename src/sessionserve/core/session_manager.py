@@ -20,6 +20,10 @@ from sessionserve.core.session import Residency, Session, SessionState, SessionS
 from sessionserve.core.wait_predictor import WaitPredictor
 
 
+class SessionBusyError(ValueError):
+    """The session cannot take this now (a turn is running, or its KV is moving); retry later."""
+
+
 class SessionManager:
     """Session lifecycle and KV residency. Called from the engine thread only."""
 
@@ -63,7 +67,7 @@ class SessionManager:
     def begin_turn(self, session: Session, seq: Sequence, num_new_tokens: int, now_s: float) -> None:
         """Attach a new turn `seq` (prompt = session tokens + new tokens) and bring the KV to it."""
         if session.state is SessionState.RUNNING:
-            raise ValueError(f"session {session.session_id!r} already has a turn running")
+            raise SessionBusyError(f"session {session.session_id!r} already has a turn running")
         if session.state is SessionState.CLOSED:
             raise ValueError(f"session {session.session_id!r} is closed")
         stats = session.stats
@@ -129,7 +133,7 @@ class SessionManager:
     def truncate(self, session: Session, num_tokens: int) -> None:
         """Forget the session's history after `num_tokens` tokens (the client rewrote it)."""
         if session.state is SessionState.RUNNING:
-            raise ValueError(f"session {session.session_id!r} has a turn running")
+            raise SessionBusyError(f"session {session.session_id!r} has a turn running")
         if num_tokens >= len(session.token_ids):
             return
         session.token_ids = session.token_ids[:num_tokens]
@@ -142,7 +146,7 @@ class SessionManager:
             # prefix cache may still hold the start).
             self._apply(ResidencyAction(ActionKind.DROP, session.session_id), session.last_active_s)
             if session.residency is not Residency.NONE:  # moving: wait for the move, then drop
-                raise ValueError(f"session {session.session_id!r} is being moved; retry")
+                raise SessionBusyError(f"session {session.session_id!r} is being moved; retry")
             self._dropped_tokens[session.session_id] = 0
         else:
             self._dropped_tokens[session.session_id] = min(self._dropped_tokens.get(session.session_id, 0),

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sessionserve.core.session_manager import SessionBusyError
 from sessionserve.llm_engine import LLMEngine
 from sessionserve.obs.metrics import Metrics
 from sessionserve.obs.tracing import Tracer, request_id_var
@@ -150,8 +151,8 @@ def engine_error(exc: Exception) -> OpenAIError:
         return OpenAIError(503, str(exc), "server_error", code="unavailable")
     if isinstance(exc, PermissionError):
         return OpenAIError(404, "Session not found.", "not_found_error", param="session_id")
+    if isinstance(exc, SessionBusyError):
+        return OpenAIError(409, str(exc), "invalid_request_error", param="session_id", code="session_busy")
     if isinstance(exc, ValueError):
-        msg = str(exc)
-        status = 409 if "already has a turn" in msg or "being moved" in msg else 400
-        return OpenAIError(status, msg, "invalid_request_error")
+        return OpenAIError(400, str(exc), "invalid_request_error")
     return OpenAIError(500, "Internal server error.", "server_error")
