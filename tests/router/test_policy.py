@@ -1,0 +1,127 @@
+"""Routing policy: affinity, failover, longest cached prefix, least loaded, rebalance on overload."""
+
+from __future__ import annotations
+
+from sessionserve.cache.block_hash import extend_block_hashes
+from sessionserve.router.policy import (PolicyConfig, ReplicaLoad, RouteKey, RouteReason, RouterState, apply,
+                                        choose_replica, forget_replica, ranked_fallbacks)
+
+CFG = PolicyConfig()
+
+
+def hashes(tokens: list[int], block_size: int = 4) -> tuple[bytes, ...]:
+    return tuple(extend_block_hashes([], tokens, block_size))
+
+
+def loads(*queued: int, free: tuple[int, ...] | None = None, parked: tuple[int, ...] | None = None,
+          ) -> list[ReplicaLoad]:
+    return [ReplicaLoad(f"r{i}", num_queued=q, max_queued=10,
+                        num_free_blocks=None if free is None else free[i], num_total_blocks=None if free is None else 100,
+                        num_parked_sessions=0 if parked is None else parked[i])
+            for i, q in enumerate(queued)]
+
+
+def test_no_replicas_is_none() -> None:
+    assert choose_replica(RouteKey(), [], RouterState.create(CFG), CFG) is None
+
+
+def test_new_sessions_spread_then_stick() -> None:
+    state = RouterState.create(CFG)
+    replicas = loads(0, 0)
+    first = {}
+    for s in ("a", "b", "c", "d"):
+        d = choose_replica(RouteKey(session_key=s), replicas, state, CFG)
+        assert d.reason is RouteReason.LEAST_LOADED
+        apply(state, RouteKey(session_key=s), d.replica_id)
+        first[s] = d.replica_id
+    assert sorted(first.values()) == ["r0", "r0", "r1", "r1"]  # equal replicas share new sessions
+    for _ in range(3):  # later steps go home even when home is busier
+        for s, home in first.items():
+            d = choose_replica(RouteKey(session_key=s), loads(5, 0) if home == "r0" else loads(0, 5), state, CFG)
+            assert (d.replica_id, d.reason) == (home, RouteReason.AFFINITY)
+
+
+def test_store_owner_wins_over_router_memory() -> None:
+    state = RouterState.create(CFG)
+    apply(state, RouteKey(session_key="s"), "r0")
+    d = choose_replica(RouteKey(session_key="s", owner="r1"), loads(0, 0), state, CFG)
+    assert (d.replica_id, d.reason) == ("r1", RouteReason.AFFINITY)
+
+
+def test_failover_when_owner_is_gone() -> None:
+    state = RouterState.create(CFG)
+    d = choose_replica(RouteKey(session_key="s", owner="dead"), loads(3, 1), state, CFG)
+    assert (d.replica_id, d.reason, d.previous_owner) == ("r1", RouteReason.FAILOVER, "dead")
+
+
+def test_longest_prefix_wins() -> None:
+    state = RouterState.create(CFG)
+    system = list(range(100, 132))  # 8 blocks
+    apply(state, RouteKey(block_hashes=hashes(system[:8])), "r0")  # 2 blocks cached on r0
+    apply(state, RouteKey(block_hashes=hashes(system + [1, 2, 3, 4])), "r1")  # 9 blocks on r1
+    key = RouteKey(block_hashes=hashes(system + [9, 9, 9, 9, 9]))
+    d = choose_replica(key, loads(1, 2), state, CFG)
+    assert (d.replica_id, d.reason, d.num_matched_blocks) == ("r1", RouteReason.PREFIX, 8)
+
+
+def test_prefix_yields_to_imbalance_and_overload() -> None:
+    state = RouterState.create(CFG)
+    key = RouteKey(block_hashes=hashes(list(range(16))))
+    apply(state, key, "r0")
+    assert choose_replica(key, loads(4, 0), state, CFG).reason is RouteReason.PREFIX
+    d = choose_replica(key, loads(5, 0), state, CFG)  # 5 more queued than r1: past max_prefix_imbalance
+    assert (d.replica_id, d.reason) == ("r1", RouteReason.LEAST_LOADED)
+    d = choose_replica(key, loads(0, 0, free=(1, 50)), state, CFG)  # r0's KV is full
+    assert (d.replica_id, d.reason) == ("r1", RouteReason.LEAST_LOADED)
+
+
+def test_tenant_salt_separates_prefixes() -> None:
+    state = RouterState.create(CFG)
+    tokens = list(range(16))
+    apply(state, RouteKey(block_hashes=tuple(extend_block_hashes([], tokens, 4, salt=b"alice"))), "r0")
+    d = choose_replica(RouteKey(block_hashes=tuple(extend_block_hashes([], tokens, 4, salt=b"bob"))),
+                       loads(1, 1), state, CFG)
+    assert d.reason is RouteReason.LEAST_LOADED and d.num_matched_blocks == 0
+
+
+def test_least_loaded_counts_queue_kv_and_parked() -> None:
+    state = RouterState.create(CFG)
+    assert choose_replica(RouteKey(), loads(2, 1), state, CFG).replica_id == "r1"
+    assert choose_replica(RouteKey(), loads(1, 1, free=(90, 20)), state, CFG).replica_id == "r0"
+    assert choose_replica(RouteKey(), loads(1, 1, free=(50, 50), parked=(10, 0)), state, CFG).replica_id == "r1"
+
+
+def test_rebalance_only_when_home_overloaded_and_other_clearly_lighter() -> None:
+    state = RouterState.create(CFG)
+    apply(state, RouteKey(session_key="s"), "r0")
+    d = choose_replica(RouteKey(session_key="s"), loads(7, 0), state, CFG)
+    assert d.reason is RouteReason.AFFINITY  # busy but not overloaded: stay with the KV
+    d = choose_replica(RouteKey(session_key="s"), loads(9, 0), state, CFG)
+    assert (d.replica_id, d.reason, d.previous_owner) == ("r1", RouteReason.REBALANCE, "r0")
+    d = choose_replica(RouteKey(session_key="s"), loads(9, 8), state, CFG)
+    assert d.reason is RouteReason.AFFINITY  # nowhere clearly better to go
+
+
+def test_forget_replica_drops_its_prefixes() -> None:
+    state = RouterState.create(CFG)
+    key = RouteKey(block_hashes=hashes(list(range(16))))
+    apply(state, key, "r0")
+    forget_replica(state, "r0")
+    assert choose_replica(key, loads(1, 0), state, CFG).reason is RouteReason.LEAST_LOADED
+
+
+def test_prefix_index_is_bounded_lru() -> None:
+    cfg = PolicyConfig(max_index_blocks=4)
+    state = RouterState.create(cfg)
+    old = hashes(list(range(16)))
+    apply(state, RouteKey(block_hashes=old), "r0")
+    apply(state, RouteKey(block_hashes=hashes(list(range(50, 66)))), "r0")
+    assert state.index.num_blocks("r0") == 4
+    assert state.index.num_matched("r0", old) == 0
+
+
+def test_fallbacks_exclude_choice() -> None:
+    state = RouterState.create(CFG)
+    replicas = loads(3, 0, 1)
+    d = choose_replica(RouteKey(), replicas, state, CFG)
+    assert d.replica_id == "r1" and ranked_fallbacks(d, replicas, CFG) == ["r2", "r0"]
