@@ -18,8 +18,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/sessionserve demo
 
+# Redis-backed session-store tests run against a real redis-server on a free port (.ci/with-redis).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	.ci/with-redis $(BIN)/python -m pytest -q tests
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests
