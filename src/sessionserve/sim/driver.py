@@ -1,0 +1,228 @@
+"""The event-driven replay on a virtual clock: the bench's workload semantics, no sleeps.
+
+What `workload.replay.replay` does with asyncio on wall time, done with a
+heap of events on the engine's `VirtualClock`: session starts (closed loop:
+`concurrency` agents taking sessions in trace order; open loop: the same
+arrival times), LLM steps (token ids from the same `PromptBuilder`, the same
+context-cut handling as `InprocBackend`), tool waits. Engine steps advance
+the clock by their predicted time. The result is a `ReplayResult`, so
+`workload.metrics`, `results` and `report` apply unchanged.
+
+Deterministic: the same trace, load, seed and profile give the same result.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+
+from sessionserve.core.sampling_params import SamplingParams
+from sessionserve.core.session import Residency, SessionState
+from sessionserve.sim.engine import SimEngine
+from sessionserve.workload.backend import StepResult
+from sessionserve.workload.prompts import PromptBuilder
+from sessionserve.workload.replay import (KV_SAMPLE_PERIOD_S, LoadSpec, ReplayResult, SessionRecord, StepRecord,
+                                          arrival_times)
+from sessionserve.workload.trace import AgentSession
+
+# NOTE: as in InprocBackend, an idle engine still steps this often (virtual seconds) while some session's KV is
+# off device or moving, so prefetches start before resumes; with nothing to prefetch the clock jumps ahead.
+IDLE_TICK_S = 0.005
+
+
+@dataclass(slots=True)
+class _Live:
+    """One trace session being replayed."""
+
+    trace: AgentSession
+    record: SessionRecord
+    engine_sid: str
+    step_index: int = 0
+    step_start_s: float = 0.0
+    num_new_tokens: int = 0
+    num_resets: int = 0
+
+
+class SimReplay:
+    """One replay of `sessions` under `load` on `engine` (fresh, owned by the caller)."""
+
+    def __init__(self, engine: SimEngine, sessions: Sequence[AgentSession], load: LoadSpec, seed: int = 0,
+                 hint_waits: bool = False, on_session_done: Callable[[SessionRecord], None] | None = None) -> None:
+        self.engine = engine
+        self.clock = engine.clock
+        self.sessions = list(sessions)
+        self.load = load
+        self.hint_waits = hint_waits
+        self.on_session_done = on_session_done
+        self.builder = PromptBuilder(engine.profile.model.vocab_size, seed)
+        self.seed = seed
+        self.records: list[SessionRecord] = []
+        self.steps: list[StepRecord] = []
+        self.kv_samples: list[dict[str, float]] = []
+        self._events: list[tuple[float, int, str, object]] = []
+        self._order = 0
+        self._waiting: dict[str, _Live] = {}  # request id -> session whose step it is
+        self._stats: dict[str, dict[str, float]] = {}
+        self._queue: list[AgentSession] = []
+        self._next_kv_s = 0.0
+        self._num_live = 0
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _at(self, t_s: float, kind: str, data: object) -> None:
+        self._order += 1
+        heapq.heappush(self._events, (t_s, self._order, kind, data))
+
+    def run(self) -> ReplayResult:
+        t0 = self.clock()
+        arrivals = arrival_times(self.sessions, self.load, self.seed)
+        if arrivals is None:
+            self._queue = list(reversed(self.sessions))
+            for _ in range(min(self.load.concurrency, len(self.sessions))):
+                self._at(t0, "agent", None)
+        else:
+            for trace, at_s in zip(self.sessions, arrivals):
+                self._at(t0 + at_s, "arrive", trace)
+        eng = self.engine
+        while self._events or eng.has_unfinished():
+            while self._events and self._events[0][0] <= self.clock():
+                _, _, kind, data = heapq.heappop(self._events)
+                self._handle(kind, data)
+            self._sample_kv()
+            before = self.clock()
+            for out in eng.step():
+                if out.finished and out.seq.request_id in self._waiting:
+                    self._step_done(self._waiting.pop(out.seq.request_id), out.seq)
+            if self.clock() == before and not self._has_ready_work():
+                self.clock.advance_to(self._next_time())
+        self._sample_kv(force=True)
+        makespan = self.clock() - t0
+        return ReplayResult(self.load, self.records, self.steps, self.kv_samples, makespan,
+                            busy_s=eng.executor.busy_s, cpu_s=None)
+
+    def _has_ready_work(self) -> bool:
+        return bool(self._events) and self._events[0][0] <= self.clock()
+
+    def _next_time(self) -> float:
+        """Where the clock goes when nothing ran: the next event, move completion or idle tick."""
+        now = self.clock()
+        candidates = [self._events[0][0]] if self._events else []
+        mover = self.engine.mover
+        if mover is not None and mover.next_done_s() is not None:
+            candidates.append(mover.next_done_s())
+        if self._needs_ticks() or self.engine.has_unfinished():
+            candidates.append(now + IDLE_TICK_S)
+        return min(candidates) if candidates else now + IDLE_TICK_S
+
+    def _needs_ticks(self) -> bool:
+        sm = self.engine.sessions
+        return sm.num_moves_pending > 0 or any(
+            s.state is SessionState.PARKED and s.residency in (Residency.HOST, Residency.DISK) for s in sm)
+
+    def _handle(self, kind: str, data: object) -> None:
+        now = self.clock()
+        if kind == "agent":
+            if self._queue:
+                self._start(self._queue.pop(), now)
+        elif kind == "arrive":
+            assert isinstance(data, AgentSession)
+            self._start(data, now)
+        elif kind == "resume":
+            assert isinstance(data, _Live)
+            self._send_step(data)
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    def _start(self, trace: AgentSession, arrival_s: float) -> None:
+        now = self.clock()
+        rec = SessionRecord(trace.session_id, arrival_s - 0.0, now)
+        self.records.append(rec)
+        esid = self.engine.open_session(trace.session_id)
+        self._stats[trace.session_id] = {}
+        self._num_live += 1
+        self._send_step(_Live(trace, rec, esid))
+
+    def _send_step(self, live: _Live) -> None:
+        """`InprocBackend._add`, on the sim engine: cut the context if the step says so, queue the turn."""
+        eng, trace, k = self.engine, live.trace, live.step_index
+        step = trace.steps[k]
+        new_ids = self.builder.step_tokens(trace.session_id, k, step)
+        live.num_new_tokens = len(new_ids)
+        live.step_start_s = self.clock()
+        session = eng.get_session(live.engine_sid)
+        assert session is not None
+        kept = step.context_kept_tokens
+        if kept is not None and kept < len(session.token_ids):
+            new_ids = list(session.token_ids[:kept]) + new_ids
+            self._fold_stats(trace.session_id, live.engine_sid)
+            eng.close_session(live.engine_sid)
+            live.num_resets += 1
+            live.engine_sid = eng.open_session(f"{trace.session_id}#{live.num_resets}")
+        params = SamplingParams(max_tokens=step.output_tokens, temperature=0, ignore_eos=True)
+        try:
+            rid = eng.add_request(new_ids, params, session_id=live.engine_sid)
+        except ValueError as exc:  # too long for the model: the session fails, as in the bench
+            live.record.error = f"{type(exc).__name__}: {exc}"
+            self._end(live)
+            return
+        self._waiting[rid] = live
+
+    def _step_done(self, live: _Live, seq) -> None:  # noqa: ANN001 - core Sequence
+        n = seq.num_output_tokens
+        end_s = seq.finished_s
+        ttft = None if seq.first_token_s is None else seq.first_token_s - seq.arrival_s
+        tpot = (end_s - seq.first_token_s) / (n - 1) if seq.first_token_s is not None and n > 1 else None
+        result = StepResult(seq.output_token_ids, end_s - seq.arrival_s, ttft, tpot, seq.num_prompt_tokens,
+                            seq.num_cached_tokens or 0)
+        self.steps.append(StepRecord(live.trace.session_id, live.step_index, live.step_start_s,
+                                     live.num_new_tokens, result))
+        live.record.num_steps += 1
+        step = live.trace.steps[live.step_index]
+        if live.step_index + 1 < len(live.trace.steps):
+            self.engine.park(live.engine_sid, step.tool_names, step.wait_s if self.hint_waits else None)
+            live.record.total_wait_s += step.wait_s
+            live.step_index += 1
+            self._at(self.clock() + step.wait_s, "resume", live)
+        else:
+            live.record.end_s = self.clock()
+            self._end(live)
+
+    def _end(self, live: _Live) -> None:
+        sid = live.trace.session_id
+        self._fold_stats(sid, live.engine_sid)
+        self.engine.close_session(live.engine_sid)
+        live.record.stats = self._stats.pop(sid)
+        self._num_live -= 1
+        if self.load.mode == "closed":
+            self._at(self.clock(), "agent", None)
+        if self.on_session_done is not None:
+            self.on_session_done(live.record)
+
+    def _fold_stats(self, sid: str, esid: str) -> None:
+        session = self.engine.get_session(esid)
+        if session is None:
+            return
+        acc = self._stats[sid]
+        for f in fields(session.stats):
+            acc[f.name] = acc.get(f.name, 0) + getattr(session.stats, f.name)
+
+    def _sample_kv(self, force: bool = False) -> None:
+        now = self.clock()
+        if now < self._next_kv_s and not force:
+            return
+        u = self.engine.kv_usage()
+        bb = u["block_bytes"]
+        sample = {"t_s": round(now, 3), "device_bytes": u["device_blocks_used"] * bb,
+                  "device_bytes_total": u["device_blocks_total"] * bb,
+                  "host_bytes": u.get("host_blocks_used", 0) * bb, "disk_bytes": u.get("disk_bytes_used", 0)}
+        sample.update({k: v for k, v in u.items() if k.startswith("sessions_")})
+        self.kv_samples.append(sample)
+        self._next_kv_s = now + KV_SAMPLE_PERIOD_S
+
+
+def simulate(engine: SimEngine, sessions: Sequence[AgentSession], load: LoadSpec, *, seed: int = 0,
+             hint_waits: bool = False, on_session_done: Callable[[SessionRecord], None] | None = None
+             ) -> ReplayResult:
+    """Replay `sessions` under `load` on `engine`; returns the same `ReplayResult` as the bench's replay."""
+    return SimReplay(engine, sessions, load, seed, hint_waits, on_session_done).run()
