@@ -42,6 +42,7 @@ class RouteKey:
     session_key: str | None = None  # tenant-namespaced session id, None for a sessionless request
     owner: str | None = None  # replica that holds the session's KV, per the session store
     block_hashes: tuple[bytes, ...] = ()  # chained hashes of the prompt's full KV blocks (tenant-salted)
+    is_released: bool = False  # the store says its owner let it go (drained): route it as new
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ def choose_replica(key: RouteKey, replicas: Sequence[ReplicaLoad], state: Router
                                              r.replica_id))
     least = ranked[0]
     owner = key.owner
-    if owner is None and key.session_key is not None:
+    if owner is None and key.session_key is not None and not key.is_released:
         owner = state.affinity.get(key.session_key)
     if owner is not None and owner in by_id:
         home = by_id[owner]

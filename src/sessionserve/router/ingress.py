@@ -1,0 +1,206 @@
+"""The ingress: Serve's HTTP entry. Works out each request's `RouteKey`, sends it to an engine replica, retries.
+
+For a chat or completion request it renders the prompt with the model's chat
+template and tokenizer (the same bytes a replica will compute), hashes its
+full KV blocks with the tenant's salt, and reads the session's record from the
+store (owner replica, whether it was released). The engine deployment's
+`SessionKVRouter` picks the replica from that.
+
+If the chosen replica dies before the reply is complete (and, for a streamed
+reply, before its first byte reached the client), the request is sent again:
+Serve has dropped the dead replica, the router sees the session's owner gone
+(a failover), and another replica continues it. The turn was not committed,
+so it runs once; had it been committed, the store replays its response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from dataclasses import replace
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sessionserve.cache.block_hash import extend_block_hashes
+from sessionserve.router.policy import RouteKey
+from sessionserve.router.replica import TURN_PATHS, RoutedRequest
+
+logger = logging.getLogger(__name__)
+
+
+class RetryableReplicaError(Exception):
+    """The replica went away while serving; the request may go elsewhere."""
+
+
+def _is_replica_loss(exc: BaseException) -> bool:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError, RetryableReplicaError))
+
+
+class Ingress:
+    """The Ray Serve ingress deployment class (wrapped in `ray_app`); `engine` is the engine deployment's handle."""
+
+    def __init__(self, engine: Any, options: Any) -> None:
+        from sessionserve.config import Config
+        from sessionserve.llm import resolve_model_path
+        from sessionserve.model.tokenizer import Tokenizer
+        from sessionserve.router.store import make_store
+        from sessionserve.server.auth import Auth
+
+        self.engine = engine
+        self.options = options
+        self.auth = Auth(dict(options.api_keys) or None)
+        self.tokenizer = Tokenizer(resolve_model_path(options.model))
+        self.block_size = Config.from_kwargs(**options.engine_kwargs).cache.block_size
+        self.store = make_store(options.store_url)
+        self.max_attempts = options.max_attempts
+
+    # -- routing key ---------------------------------------------------------------------------
+
+    def route_of(self, method: str, path: str, headers: dict[str, str], body: bytes) -> RoutedRequest:
+        from sessionserve.server.auth import tenant_salt
+        from sessionserve.server.chat import render_chat
+        from sessionserve.server.protocol import valid_session_id
+        from sessionserve.server.routes_openai import session_key
+
+        tenant = self.auth.tenant_for(headers.get("authorization")) or "default"
+        raw_headers = tuple((k.encode(), v.encode()) for k, v in headers.items())
+        base = RoutedRequest(method, path, b"", raw_headers, body, tenant=tenant)
+        data: dict[str, Any] = {}
+        if body:
+            try:
+                parsed = json.loads(body)
+                data = parsed if isinstance(parsed, dict) else {}
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return base  # the replica answers the 400
+        sid = headers.get("x-session-id") or data.get("session_id")
+        if path.startswith("/v1/sessions/"):
+            sid = path[len("/v1/sessions/"):]
+        skey = session_key(tenant, sid) if isinstance(sid, str) and valid_session_id(sid) else None
+        hashes: list[bytes] = []
+        messages: tuple[dict[str, Any], ...] = ()
+        if method == "POST" and path in TURN_PATHS:
+            try:
+                if path == "/v1/chat/completions":
+                    messages = tuple(data.get("messages") or ())
+                    prompt = render_chat(self.tokenizer, list(messages), data.get("tools"))
+                else:
+                    p = data.get("prompt")
+                    prompt = self.tokenizer.encode(p) if isinstance(p, str) else list(p or [])
+                hashes = extend_block_hashes([], prompt, self.block_size, salt=tenant_salt(tenant))
+            except Exception:  # noqa: BLE001 - a bad request routes anywhere; the replica explains
+                hashes = []
+        owner, released = None, False
+        if skey is not None:
+            rec = self.store.get(skey)
+            if rec is not None:
+                owner, released = rec.owner, rec.owner is None
+        turn_hash = None
+        if skey is not None and path in TURN_PATHS:
+            turn_hash = hashlib.sha256(tenant.encode() + b"\0" + path.encode() + b"\0" + body).hexdigest()
+        return RoutedRequest(method, path, b"", raw_headers, body,
+                             RouteKey(skey, owner, tuple(hashes), is_released=released), tenant, skey, turn_hash,
+                             bool(data.get("stream")), messages)
+
+    # -- forwarding ----------------------------------------------------------------------------
+
+    async def send(self, req: RoutedRequest) -> Response:
+        last_exc: BaseException | None = None
+        for attempt in range(self.max_attempts):
+            if attempt:
+                await asyncio.sleep(min(2.0, 0.2 * 2 ** (attempt - 1)))
+                req = self._refresh(req)
+            gen = self.engine.forward.options(stream=True).remote(req)
+            try:
+                head = await gen.__anext__()
+                if req.is_stream:
+                    return StreamingResponse(self._rest(gen), status_code=head["status"],
+                                             headers=_headers(head["headers"]))
+                body = b"".join([chunk async for chunk in gen])
+                return Response(body, status_code=head["status"], headers=_headers(head["headers"]))
+            except Exception as exc:  # noqa: BLE001 - only replica loss is retried
+                if not _is_replica_loss(exc):
+                    raise
+                last_exc = exc
+                logger.warning("replica lost during %s %s (attempt %d): %r", req.method, req.path, attempt + 1, exc)
+        return JSONResponse({"error": {"message": f"No replica could serve the request: {last_exc!r}",
+                                       "type": "server_error", "code": "unavailable"}}, status_code=503)
+
+    def _refresh(self, req: RoutedRequest) -> RoutedRequest:
+        """Re-read the session's owner before a retry (the turn may have committed meanwhile)."""
+        if req.session_key is None:
+            return req
+        rec = self.store.get(req.session_key)
+        owner = rec.owner if rec is not None else req.route.owner
+        return replace(req, route=replace(req.route, owner=owner, is_released=rec is not None and rec.owner is None))
+
+    @staticmethod
+    async def _rest(gen: Any) -> Any:
+        try:
+            async for chunk in gen:
+                yield chunk
+        except Exception as exc:  # noqa: BLE001 - the stream already started; end it with an error event
+            logger.warning("replica lost mid-stream: %r", exc)
+            yield b'data: {"error": {"message": "replica lost mid-stream", "type": "server_error"}}\n\n'
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """Serve calls this after `__init__` (`serve.ingress()` with no app): the HTTP routes."""
+        return make_api(self)
+
+
+def make_api(ingress: Ingress) -> FastAPI:
+    api = FastAPI(title="sessionserve router")
+
+    @api.get("/router/stats")
+    async def router_stats() -> dict[str, Any]:
+        """The router's counters and each replica's last routing stats."""
+        from sessionserve.router.stats import router_for
+
+        router = router_for(ingress.options.engine_deployment)
+        if router is None:
+            return {"router": None, "replicas": {}}
+        return {"router": router.stats.to_dict(),
+                "replicas": {r.replica_id.unique_id: r.routing_stats for r in router.curr_replicas.values()}}
+
+    @api.get("/router/metrics")
+    async def router_metrics() -> Response:
+        """Prometheus text: routing decisions by reason, affinity/prefix hits, failovers, migrations; per replica."""
+        from sessionserve.router.stats import router_for
+
+        router = router_for(ingress.options.engine_deployment)
+        lines = []
+        if router is not None:
+            st = router.stats
+            lines.append("# TYPE sessionserve_router_requests_total counter")
+            for reason, n in sorted(st.decisions.items()):
+                lines.append(f'sessionserve_router_requests_total{{reason="{reason}"}} {n}')
+            for name, value in (("session_requests", st.num_session_requests), ("affinity_hits", st.num_affinity_hits),
+                                ("prefix_hits", st.num_prefix_hits), ("matched_blocks", st.num_matched_blocks),
+                                ("failovers", st.num_failovers), ("migrations", st.num_migrations)):
+                lines += [f"# TYPE sessionserve_router_{name}_total counter", f"sessionserve_router_{name}_total {value}"]
+            for r in router.curr_replicas.values():
+                for k, v in (r.routing_stats or {}).items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        lines.append(f'sessionserve_replica_{k}{{replica="{r.replica_id.unique_id}"}} {v}')
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def proxy(path: str, request: Request) -> Response:
+        """Everything else goes to an engine replica (the OpenAI and session routes, /health, /metrics)."""
+        body = await request.body()
+        headers = {k.lower(): v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        headers["content-length"] = str(len(body))
+        req = ingress.route_of(request.method, "/" + path, headers, body)
+        return await ingress.send(replace(req, query=request.url.query.encode()))
+
+    return api
+
+
+def _headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    skip = {b"content-length", b"transfer-encoding"}
+    return {k.decode(): v.decode() for k, v in raw if k.lower() not in skip}

@@ -1,0 +1,214 @@
+"""One engine replica for Ray Serve: the whole sessionserve HTTP app, called in-process, plus the store.
+
+`EngineReplica.forward` runs a `RoutedRequest` through the replica's own
+FastAPI app (`server.app.create_app`, unchanged) as an ASGI call and yields
+the response head, then its body chunks. Around a session turn it keeps the
+session store current:
+
+- before: if the store already holds this exact turn (same request fingerprint)
+  with its response, the response is replayed and nothing runs again: a retry
+  after a lost reply never duplicates a turn;
+- after: the session's token ids, messages, owner (this replica) and KV tier
+  are written with compare-and-set on the version read before the turn. If
+  another replica advanced the session meanwhile, a non-streamed turn answers
+  409 session_busy instead of a reply the history does not contain.
+
+A session this replica does not hold continues from what the client sends
+(the OpenAI API resends the conversation): its prompt is recomputed here, and
+the store's token ids say how much that was. Draining (`__del__`, which Serve
+calls on scale-down after in-flight requests finish) releases this replica's
+sessions in the store, so their next turns route as new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sessionserve.router.policy import RouteKey
+from sessionserve.router.store import SessionRecord, make_store
+
+logger = logging.getLogger(__name__)
+
+TURN_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+@dataclass(frozen=True)
+class RoutedRequest:
+    """An HTTP request as the ingress hands it to a replica, with what the router needs."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+    route: RouteKey = field(default_factory=RouteKey)
+    tenant: str = "default"
+    session_key: str | None = None  # tenant-namespaced, as the engine names sessions
+    turn_hash: str | None = None  # fingerprint of a session turn (tenant, path, body)
+    is_stream: bool = False
+    messages: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass
+class ReplicaCounters:
+    num_turns: int = 0  # session turns completed here
+    num_turns_replayed: int = 0  # retried turns answered from the store
+    num_sessions_adopted: int = 0  # turns of sessions another replica (or none) held before
+    num_tokens_recomputed: int = 0  # history tokens those adopted sessions prefilled here again
+    num_store_conflicts: int = 0  # turns that lost the compare-and-set
+    num_sessions_released: int = 0  # sessions handed back on drain
+
+
+async def asgi_call(app: Any, req: RoutedRequest) -> AsyncIterator[dict[str, Any]]:
+    """Run one HTTP request through an ASGI app in this process; yield its `http.response.*` messages."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": req.method,
+             "scheme": "http", "path": req.path, "raw_path": req.path.encode(), "query_string": req.query,
+             "root_path": "", "headers": list(req.headers), "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80)}
+    messages: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    body_sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": req.body, "more_body": False}
+        await gone.wait()  # the caller stopped listening: tell the app the client left
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        await messages.put(message)
+
+    task = asyncio.create_task(app(scope, receive, send))
+    task.add_done_callback(lambda _: messages.put_nowait(None))
+    try:
+        while (msg := await messages.get()) is not None:
+            yield msg
+            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                break
+        await task
+    finally:
+        gone.set()
+        if not task.done():
+            await asyncio.wait_for(task, timeout=30)
+
+
+class EngineReplica:
+    """The Ray Serve deployment class (wrapped by `serve.deployment` in `ray_app`)."""
+
+    def __init__(self, options: Any) -> None:
+        from ray import serve
+
+        from sessionserve.config import Config
+        from sessionserve.llm import resolve_model_path
+        from sessionserve.llm_engine import LLMEngine
+        from sessionserve.server.app import create_app
+        from sessionserve.server.auth import Auth
+
+        self.options = options
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.engine = LLMEngine(Config.from_kwargs(**options.engine_kwargs), resolve_model_path(options.model))
+        self.app = create_app(self.engine, model_name=options.model_name, auth=Auth(dict(options.api_keys) or None))
+        self.bridge = self.app.state.ss.bridge
+        self.bridge.start()  # the app's lifespan does this under uvicorn; here no server runs it
+        self.store = make_store(options.store_url)
+        self.counters = ReplicaCounters()
+
+    async def forward(self, req: RoutedRequest) -> AsyncIterator[Any]:
+        """Yield {"status", "headers"} then body chunks (bytes)."""
+        key = req.session_key if req.path in TURN_PATHS and req.method == "POST" else None
+        before = self.store.get(key) if key else None
+        if before is not None and not req.is_stream and req.turn_hash and \
+                before.last_turn_hash == req.turn_hash and before.last_response is not None:
+            self.counters.num_turns_replayed += 1
+            yield {"status": 200, "headers": [(b"content-type", b"application/json"),
+                                              (b"x-sessionserve-replayed", b"1")]}
+            yield before.last_response.encode()
+            return
+        if key and before is not None and before.owner != self.replica_id:
+            self.counters.num_sessions_adopted += 1
+            self.counters.num_tokens_recomputed += len(before.token_ids)
+        status, headers, chunks = 500, [], []
+        async for msg in asgi_call(self.app, req):
+            if msg["type"] == "http.response.start":
+                status, headers = msg["status"], msg.get("headers", [])
+                if req.is_stream:
+                    yield {"status": status, "headers": headers}
+            elif msg["type"] == "http.response.body" and msg.get("body"):
+                if req.is_stream:
+                    yield msg["body"]
+                else:
+                    chunks.append(msg["body"])
+        body = b"".join(chunks)
+        if status == 200:
+            conflict = await self._after(req, key, before, None if req.is_stream else body)
+            if conflict and not req.is_stream:
+                status, body = 409, json.dumps({"error": {
+                    "message": "The session advanced on another replica during this turn; retry it.",
+                    "type": "invalid_request_error", "param": "session_id", "code": "session_busy"}}).encode()
+                headers = [(b"content-type", b"application/json")]
+        if not req.is_stream:
+            yield {"status": status, "headers": headers}
+            yield body
+
+    async def _after(self, req: RoutedRequest, key: str | None, before: SessionRecord | None,
+                     response: bytes | None) -> bool:
+        """Bring the store up to date after a successful request. Returns True on a CAS conflict."""
+        if req.method == "DELETE" and req.session_key and req.path.startswith("/v1/sessions/"):
+            self.store.delete(req.session_key)
+            return False
+        if req.method == "POST" and req.path == "/v1/sessions" and req.session_key:
+            key, before = req.session_key, self.store.get(req.session_key)
+        if key is None:
+            return False
+
+        def snapshot(eng: Any) -> tuple[tuple[int, ...], str] | None:
+            s = eng.get_session(key)
+            return (tuple(s.token_ids), s.residency.value) if s is not None else None
+
+        snap = await self.bridge.call(snapshot)
+        if snap is None:
+            return False
+        base = before or SessionRecord(key, req.tenant)
+        new = replace(base, token_ids=snap[0], messages=req.messages or base.messages, owner=self.replica_id,
+                      tier=snap[1], last_turn_hash=req.turn_hash if req.path in TURN_PATHS else base.last_turn_hash,
+                      last_response=response.decode() if response is not None and req.path in TURN_PATHS else None)
+        if self.store.put(new) is None:
+            self.counters.num_store_conflicts += 1
+            logger.warning("session %s advanced elsewhere during a turn on %s", key, self.replica_id)
+            return True
+        if req.path in TURN_PATHS:
+            self.counters.num_turns += 1
+        return False
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What the router weighs (free KV blocks, parked sessions) and this replica's counters."""
+        def read(eng: Any) -> dict[str, Any]:
+            usage = eng.kv_usage()
+            parked = sum(1 for s in eng.sessions if s.state.value == "parked")
+            return {"num_free_blocks": usage["device_blocks_total"] - usage["device_blocks_used"],
+                    "num_total_blocks": usage["device_blocks_total"], "num_parked_sessions": parked,
+                    "num_sessions": len(eng.sessions.sessions)}
+
+        stats = await self.bridge.call(read)
+        stats.update(vars(self.counters))
+        stats["replica_id"] = self.replica_id
+        return stats
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.record_routing_stats()
+
+    async def __del__(self) -> None:
+        """Drain on scale-down: Serve has let in-flight requests finish; hand the sessions back."""
+        try:
+            released = self.store.release(self.replica_id)
+            self.counters.num_sessions_released += len(released)
+            logger.info("replica %s released %d sessions", self.replica_id, len(released))
+        finally:
+            await self.bridge.shutdown(drain_timeout_s=5)
+            self.store.close()
