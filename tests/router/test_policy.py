@@ -125,3 +125,10 @@ def test_fallbacks_exclude_choice() -> None:
     replicas = loads(3, 0, 1)
     d = choose_replica(RouteKey(), replicas, state, CFG)
     assert d.replica_id == "r1" and ranked_fallbacks(d, replicas, CFG) == ["r2", "r0"]
+
+
+def test_released_session_routes_as_new() -> None:
+    state = RouterState.create(CFG)
+    apply(state, RouteKey(session_key="s"), "gone")
+    d = choose_replica(RouteKey(session_key="s", is_released=True), loads(2, 0), state, CFG)
+    assert (d.replica_id, d.reason) == ("r1", RouteReason.LEAST_LOADED)

@@ -13,7 +13,7 @@ baseline our router is measured against.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +57,6 @@ def build_app(options: ServeOptions) -> Any:
     from sessionserve.router.replica import EngineReplica
 
     if options.store_url is None:
-        from dataclasses import replace
-
         options = replace(options, store_url=default_store_url())
     router_config = RequestRouterConfig(request_routing_stats_period_s=options.routing_stats_period_s,
                                         request_routing_stats_timeout_s=max(1.0, 4 * options.routing_stats_period_s))
@@ -67,15 +65,18 @@ def build_app(options: ServeOptions) -> Any:
                                             request_router_kwargs=dict(options.router_kwargs),
                                             request_routing_stats_period_s=options.routing_stats_period_s,
                                             request_routing_stats_timeout_s=max(1.0, 4 * options.routing_stats_period_s))
+    # NOTE: replicas get the options without the replica count, so a change of count alone is a lightweight
+    # scale (Serve adds or drains replicas) rather than a new version that replaces them all.
+    bound = replace(options, num_replicas=1)
     engine = serve.deployment(
         EngineReplica, name=options.engine_deployment, num_replicas=options.num_replicas,
         max_ongoing_requests=options.max_ongoing_requests, request_router_config=router_config,
         ray_actor_options={"num_cpus": options.replica_num_cpus},
         graceful_shutdown_timeout_s=30, health_check_period_s=2, health_check_timeout_s=10,
-    ).bind(options)
+    ).bind(bound)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=1,
                                max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(engine, options)
+    return ingress.bind(engine, bound)
 
 
 def app_builder(args: dict[str, Any]) -> Any:

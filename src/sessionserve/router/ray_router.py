@@ -103,7 +103,9 @@ class SessionKVRouter(RequestRouter):
         if key.session_key is not None:
             st.num_session_requests += 1
             home = key.owner or self.state.affinity.get(key.session_key)
-            if home is None or home == rid:
+            if key.is_released:
+                st.num_migrations += 1  # its replica drained and let it go
+            elif home is None or home == rid:
                 st.num_affinity_hits += 1  # first step of a session has nowhere else to be
             elif reason is RouteReason.FAILOVER or home in st.dead_replicas:
                 st.num_failovers += 1
