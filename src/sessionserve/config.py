@@ -73,13 +73,14 @@ class ModelConfig:
     # A Hugging Face model folder (config.json + *.safetensors + tokenizer).
     # None: the embedded default, created on first use.
     model: str | None = None
-    # "auto": float32 on CPU (no fast bf16 on most CPUs), bfloat16 on CUDA.
+    # "auto": bfloat16 on CUDA; on CPU bfloat16 where the CPU has native bf16
+    # dot products (AVX-512 BF16 / AMX) and the weights are not float32-only, else float32.
     dtype: str = "auto"
     # "auto": CUDA when available, else CPU.
     device: str = "auto"
-    # Compile the forward with torch.compile (inductor). Costs a warm-up at
-    # start; removes most per-op Python overhead in decode.
-    compile: bool = True
+    # On CPU, re-lay out every linear weight once for oneDNN at load time
+    # (model/packed_linear.py); off: plain F.linear (MKL).
+    pack_weights: bool = True
     # Intra-op threads for torch on CPU. None: leave torch's default.
     num_threads: int | None = None
     seed: int = 0

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from sessionserve.model.attention import AttentionMetadata, attention, write_kv
+from sessionserve.model.fused_ops import silu_and_mul
 from sessionserve.model.hf_config import ModelArch
-from sessionserve.model.layers import RMSNorm, RotaryEmbedding, swiglu
+from sessionserve.model.layers import RMSNorm, RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
@@ -37,7 +38,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # x: (T, hidden)
+        # x: (T, hidden), updated in place (the residual stream)
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))  # (T, q + 2kv)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -49,8 +50,9 @@ class DecoderLayer(nn.Module):
         q, k = rope(positions, q, k)
         write_kv(k_cache, v_cache, k, v, meta)
         o = attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, D)
-        x = x + self.o_proj(o.reshape(num_tokens, self.q_size))
-        return x + self.down_proj(swiglu(self.gate_up_proj(self.post_attention_layernorm(x))))
+        # x += o_proj(o) in place, then normalize: the residual add fused into the norm.
+        h = self.post_attention_layernorm(x, self.o_proj(o.reshape(num_tokens, self.q_size)))
+        return x.add_(self.down_proj(silu_and_mul(self.gate_up_proj(h))))
 
 
 class DecoderModel(nn.Module):

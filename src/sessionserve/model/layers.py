@@ -1,4 +1,4 @@
-"""Small building blocks of the decoder: RMSNorm, rotary embedding, SwiGLU."""
+"""Small building blocks of the decoder: RMSNorm and the rotary embedding (kernels in fused_ops.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from sessionserve.model import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -18,11 +19,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalize `x`; with `residual_delta`, first add it to `x` in place (the residual stream)."""
+        return fused_ops.rms_norm(x, self.weight, self.eps, residual_delta)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -65,18 +64,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: (T,), q: (T, H, D), k: (T, Hkv, D)
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D/2)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for a fused (T, 2*I) gate/up projection."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        """Rotate q (T, H, D) and k (T, Hkv, D) in place at int64 `positions` (T,)."""
+        return (fused_ops.rope_(q, positions, self.cos, self.sin),
+                fused_ops.rope_(k, positions, self.cos, self.sin))

@@ -1,5 +1,7 @@
 """CPU paged-attention kernel (C++, built on first use) with a pure-torch fallback.
 
+The same extension carries the fused element-wise ops of `fused_ops.py`.
+
 Decode attention is memory-bound: every step reads each running sequence's
 whole context. Gathering the context into a contiguous tensor first (what a
 torch-only path must do) reads and writes it once more. This kernel streams
@@ -153,8 +155,14 @@ _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
 
+def _sources() -> list[str]:
+    from sessionserve.model.fused_ops import SOURCE as fused_source
+
+    return [_SOURCE, fused_source]
+
+
 def _build_dir() -> Path:
-    key = hashlib.sha256((_SOURCE + torch.__version__).encode()).hexdigest()[:16]
+    key = hashlib.sha256(("".join(_sources()) + torch.__version__).encode()).hexdigest()[:16]
     path = Path.home() / ".cache" / "sessionserve" / "kernels" / key
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -174,13 +182,14 @@ def _load() -> bool:
 
         load_inline(
             name="sessionserve_kernels",
-            cpp_sources=[_SOURCE],
+            cpp_sources=_sources(),
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
             build_directory=str(_build_dir()),
             is_python_module=False,
             verbose=False,
         )
-        return hasattr(torch.ops.sessionserve_kernels, "paged_attention")
+        ops = torch.ops.sessionserve_kernels
+        return all(hasattr(ops, name) for name in ("paged_attention", "rms_norm", "rope_"))
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
         logger.warning("paged attention kernel unavailable, using the gather path: %s", exc)
         return False

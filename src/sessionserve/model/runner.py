@@ -17,6 +17,7 @@ from sessionserve.model.attention import AttentionMetadata
 from sessionserve.model.decoder import DecoderModel
 from sessionserve.model.hf_config import ModelArch, load_arch
 from sessionserve.model.loader import load_weights
+from sessionserve.model.packed_linear import pack_linears, packing_supported
 from sessionserve.model.sampler import SampleRow, sample, top_logprobs
 
 if TYPE_CHECKING:  # xgrammar takes seconds to import: loaded on the first guided request
@@ -33,10 +34,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str = "float32") -> torch.dtype:
+    """The compute dtype for `name`; "auto" follows the checkpoint where the device runs it fast.
+
+    CUDA: bfloat16. CPU: bfloat16 for half-precision checkpoints when the CPU
+    has native bf16 dot products (AVX-512 BF16 / AMX), else float32; a float32
+    checkpoint stays float32.
+    """
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if checkpoint_dtype in ("bfloat16", "float16") and cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether oneDNN reports native bf16 support on this CPU."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class ModelRunner:
@@ -47,7 +63,7 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.arch: ModelArch = load_arch(model_dir)
         self.device = resolve_device(model_config.device)
-        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device, self.arch.torch_dtype)
         if model_config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(model_config.num_threads)
         self.max_model_len = min(max_model_len or self.arch.max_position_embeddings,
@@ -58,6 +74,9 @@ class ModelRunner:
         load_weights(model, model_dir)
         self.model = model.to(self.dtype).eval()
         self.model.rope.to(torch.float32)  # cos/sin tables stay fp32, as in HF
+        self.packed = model_config.pack_weights and packing_supported(self.device, self.dtype)
+        if self.packed:
+            pack_linears(self.model)
 
         dtype_bytes = torch.finfo(self.dtype).bits // 8
         self.block_bytes = self.arch.kv_bytes_per_token(dtype_bytes) * self.block_size
@@ -75,9 +94,10 @@ class ModelRunner:
         # Structured outputs: compiler built on first guided request; matcher state per request id.
         self._grammar_compiler: GrammarCompiler | None = None
         self._constraints: dict[str, tuple[Sequence, Constraint]] = {}
-        logger.info("loaded %s (%.1fM params) on %s/%s, %d KV blocks of %d tokens, paged kernel %s",
+        logger.info("loaded %s (%.1fM params) on %s/%s, %d KV blocks of %d tokens, paged kernel %s, packed weights %s",
                     self.arch.architecture, self.arch.num_params() / 1e6, self.device, self.dtype,
-                    self.num_blocks, self.block_size, "on" if self.use_kernel else "off")
+                    self.num_blocks, self.block_size, "on" if self.use_kernel else "off",
+                    "on" if self.packed else "off")
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:

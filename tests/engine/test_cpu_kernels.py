@@ -1,0 +1,92 @@
+"""The fused RMSNorm/RoPE ops and pre-packed linears against the eager expressions they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sessionserve.model import fused_ops, paged_kernel
+from sessionserve.model.layers import RotaryEmbedding
+from sessionserve.model.packed_linear import PackedLinear, pack_linears, packing_supported
+
+pytestmark = pytest.mark.skipif(not paged_kernel.available(), reason="C++ extension unavailable")
+
+DTYPES = [(torch.float32, 1e-6), (torch.bfloat16, 0.0)]
+
+
+def _eager_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_with_residual_add_matches_eager(dtype: torch.dtype, tol: float, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 96, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, 96, generator=g).to(dtype)
+    w = torch.rand(96, generator=g).to(dtype) + 0.5
+    expected_x = x + delta
+    expected = _eager_rms(expected_x, w, 1e-6)
+    got = fused_ops.rms_norm(x, w, 1e-6, delta)
+    torch.testing.assert_close(x, expected_x, atol=0, rtol=0)  # residual updated in place, same rounding
+    # bf16: one rounding step may differ where fp32 summation order differs; at most one bf16 ulp.
+    atol = tol if dtype == torch.float32 else 0.0
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_on_strided_views_matches_eager(dtype: torch.dtype) -> None:
+    rope = RotaryEmbedding(head_dim=64, max_positions=512, theta=10000.0, scaling=None)
+    g = torch.Generator().manual_seed(2)
+    T, H, Hkv, D = 9, 6, 2, 64
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    positions = torch.randint(0, 512, (T,), generator=g)
+    q = qkv[:, :H * D].view(T, H, D)
+    k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
+    v_before = qkv[:, (H + Hkv) * D:].clone()
+
+    def eager(x: torch.Tensor) -> torch.Tensor:
+        c = rope.cos[positions].unsqueeze(1).to(dtype)
+        s = rope.sin[positions].unsqueeze(1).to(dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    eq, ek = eager(q.clone()), eager(k.clone())
+    rope(positions, q, k)
+    torch.testing.assert_close(q, eq, atol=1e-6, rtol=0)
+    torch.testing.assert_close(k, ek, atol=1e-6, rtol=0)
+    assert torch.equal(qkv[:, (H + Hkv) * D:], v_before)  # v untouched
+
+
+@pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32), reason="no oneDNN")
+@pytest.mark.parametrize("rows", [1, 32, 515])
+def test_packed_linear_matches_f_linear(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(96, 80, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(80, 96, generator=g))
+        lin.bias.copy_(torch.randn(80, generator=g))
+    x = torch.randn(rows, 96, generator=g)
+    expected = F.linear(x, lin.weight, lin.bias)
+    with torch.inference_mode():
+        torch.testing.assert_close(PackedLinear(lin)(x), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32), reason="no oneDNN")
+def test_pack_linears_replaces_every_linear_and_keeps_tied_embedding() -> None:
+    model = nn.Module()
+    model.embed = nn.Embedding(50, 16)
+    model.inner = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16, bias=False))
+    model.head = nn.Linear(16, 50, bias=False)
+    model.head.weight = model.embed.weight
+    ids = torch.tensor([3, 7, 49])
+    with torch.inference_mode():
+        expected = model.head(model.inner(model.embed(ids)))
+        assert pack_linears(model) == 3
+        assert not any(type(m) is nn.Linear for m in model.modules())
+        torch.testing.assert_close(model.head(model.inner(model.embed(ids))), expected, atol=1e-5, rtol=1e-5)
+    assert model.embed.weight.shape == (50, 16)
