@@ -25,6 +25,10 @@ def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - imports torch lazily
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    if args.replicas > 1:  # several engine replicas behind the session-aware router, on Ray Serve
+        from sessionserve.router.ray_app import serve_from_args
+
+        return serve_from_args(args)
     import logging
 
     import uvicorn
@@ -84,6 +88,10 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--disk-kv-bytes", type=int, default=0)
     serve.add_argument("--spool-dir", default=None)
     serve.add_argument("--max-queued-requests", type=int, default=1024)
+    serve.add_argument("--replicas", type=int, default=1,
+                       help="engine replicas on Ray Serve behind the session/KV-aware router (pip install .[ray])")
+    serve.add_argument("--store", default=None,
+                       help="session store for --replicas: sqlite:///file.db (default) or redis://host:port/db")
     serve.add_argument("--trace", choices=["console", "otlp"], default=None,
                        help="export OpenTelemetry spans per request and session step")
     serve.set_defaults(func=cmd_serve)

@@ -68,14 +68,15 @@ def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        apps = {}
+        apps, targets = {}, []
         for name, router in (("ours", "session_kv"), ("base", "pow2")):
             db = tmp / f"{name}.db"
             opts = ServeOptions(num_replicas=2, model=str(tiny_llama), model_name="tiny", engine_kwargs=ENGINE,
                                 store_url=f"sqlite://{db}", router=router, replica_num_cpus=0,
                                 routing_stats_period_s=0.2)
-            serve.run(build_app(opts), name=name, route_prefix=f"/{name}", blocking=False)
+            targets.append(serve.RunTarget(build_app(opts), name=name, route_prefix=f"/{name}"))
             apps[name] = App(f"http://127.0.0.1:{port}/{name}", SQLiteStore(db), name)
+        serve.run_many(targets)  # both apps start together
         for a in apps.values():
             _wait_ready(a.url)
         yield Cluster(apps["ours"], apps["base"])

@@ -106,7 +106,7 @@ def run_forever(options: ServeOptions, host: str, port: int) -> None:
     import ray
     from ray import serve
 
-    ray.init(ignore_reinit_error=True, include_dashboard=False)
+    ray.init(ignore_reinit_error=True, include_dashboard=False)  # joins $RAY_ADDRESS when it is set
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(options), name="sessionserve", route_prefix="/")
     print(f"sessionserve: {options.num_replicas} replicas ({options.router} router) on http://{host}:{port}",
@@ -114,6 +114,23 @@ def run_forever(options: ServeOptions, host: str, port: int) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(0.5):  # a timed wait, so the signal handler gets to run
+        pass
     serve.shutdown()
     ray.shutdown()
+
+
+def serve_from_args(args: Any) -> None:
+    """`sessionserve serve --replicas N [--store URL]`: the serve flags, applied to each replica."""
+    import json
+
+    keys = {k: "default" for k in args.api_key or []}
+    if args.keys_file:
+        keys.update(json.loads(Path(args.keys_file).read_text()))
+    engine_kwargs = dict(kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+                         dtype=args.dtype, device=args.device, residency_policy=args.residency_policy,
+                         host_kv_bytes=args.host_kv_bytes, disk_kv_bytes=args.disk_kv_bytes, spool_dir=args.spool_dir)
+    options = ServeOptions(num_replicas=args.replicas, model=args.model, model_name=args.served_model_name,
+                           engine_kwargs=engine_kwargs, api_keys=tuple(sorted(keys.items())), store_url=args.store)
+    run_forever(options, args.host, args.port)
