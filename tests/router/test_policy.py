@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from sessionserve.cache.block_hash import extend_block_hashes
-from sessionserve.router.policy import (PolicyConfig, ReplicaLoad, RouteKey, RouteReason, RouterState, apply,
-                                        choose_replica, forget_replica, ranked_fallbacks)
+from sessionserve.router.policy import (
+    PolicyConfig,
+    ReplicaLoad,
+    RouteKey,
+    RouteReason,
+    RouterState,
+    apply,
+    choose_replica,
+    forget_replica,
+    ranked_fallbacks,
+)
 
 CFG = PolicyConfig()
 
@@ -15,8 +24,8 @@ def hashes(tokens: list[int], block_size: int = 4) -> tuple[bytes, ...]:
 
 def loads(*queued: int, free: tuple[int, ...] | None = None, parked: tuple[int, ...] | None = None,
           ) -> list[ReplicaLoad]:
-    return [ReplicaLoad(f"r{i}", num_queued=q, max_queued=10,
-                        num_free_blocks=None if free is None else free[i], num_total_blocks=None if free is None else 100,
+    return [ReplicaLoad(f"r{i}", num_queued=q, max_queued=10, num_free_blocks=None if free is None else free[i],
+                        num_total_blocks=None if free is None else 100,
                         num_parked_sessions=0 if parked is None else parked[i])
             for i, q in enumerate(queued)]
 

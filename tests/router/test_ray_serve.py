@@ -18,11 +18,11 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from sessionserve.router.ray_app import ServeOptions, build_app  # noqa: E402
-from sessionserve.router.store import SQLiteStore  # noqa: E402
-from tests.server.conftest import free_port  # noqa: E402
+from sessionserve.router.ray_app import ServeOptions, build_app
+from sessionserve.router.store import SQLiteStore
+from tests.server.conftest import free_port
 
-ENGINE = dict(num_blocks=256, block_size=16, max_num_seqs=8, num_threads=1, host_kv_bytes=0, disk_kv_bytes=0)
+ENGINE = {"num_blocks": 256, "block_size": 16, "max_num_seqs": 8, "num_threads": 1, "host_kv_bytes": 0, "disk_kv_bytes": 0}
 
 
 @dataclass
@@ -147,7 +147,7 @@ def _kill_replica(app_name: str, replica_id: str) -> None:
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{app_name}#Engine#{replica_id}", namespace="serve"), no_restart=True)
 
 
-LONG_TURN = dict(max_tokens=300, ignore_eos=True)
+LONG_TURN = {"max_tokens": 300, "ignore_eos": True}
 
 
 def test_killed_replica_loses_no_session_and_output_is_unchanged(cluster: Cluster) -> None:
@@ -193,7 +193,13 @@ def test_killed_replica_loses_no_session_and_output_is_unchanged(cluster: Cluste
     stats = app.stats()
     assert stats["router"]["num_failovers"] >= 1 and victim in stats["router"]["dead_replicas"]
     assert stats["replicas"][rec.owner]["num_sessions_adopted"] >= 1
-    _wait_running("ours", 2)  # Serve replaced the dead replica
+    deadline = time.monotonic() + 90  # Serve replaces the dead replica
+    while time.monotonic() < deadline:
+        live = app.stats()["replicas"]
+        if victim not in live and len(live) == 2:
+            break
+        time.sleep(0.2)
+    _wait_running("ours", 2)
 
 
 def test_scale_down_drains_sessions_to_the_remaining_replica(cluster: Cluster, tiny_llama: Path) -> None:

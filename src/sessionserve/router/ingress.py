@@ -123,7 +123,7 @@ class Ingress:
                                              headers=_headers(head["headers"]))
                 body = b"".join([chunk async for chunk in gen])
                 return Response(body, status_code=head["status"], headers=_headers(head["headers"]))
-            except Exception as exc:  # noqa: BLE001 - only replica loss is retried
+            except Exception as exc:
                 if not _is_replica_loss(exc):
                     raise
                 last_exc = exc
@@ -182,7 +182,8 @@ def make_api(ingress: Ingress) -> FastAPI:
             for name, value in (("session_requests", st.num_session_requests), ("affinity_hits", st.num_affinity_hits),
                                 ("prefix_hits", st.num_prefix_hits), ("matched_blocks", st.num_matched_blocks),
                                 ("failovers", st.num_failovers), ("migrations", st.num_migrations)):
-                lines += [f"# TYPE sessionserve_router_{name}_total counter", f"sessionserve_router_{name}_total {value}"]
+                lines += [f"# TYPE sessionserve_router_{name}_total counter",
+                          f"sessionserve_router_{name}_total {value}"]
             for r in router.curr_replicas.values():
                 for k, v in (r.routing_stats or {}).items():
                     if isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -136,7 +136,8 @@ def load_score(r: ReplicaLoad, config: PolicyConfig) -> float:
     queue_frac = r.num_queued / max(1, r.max_queued)
     kv_frac = 0.0
     if r.num_total_blocks:
-        kv_frac = 1.0 - (r.num_free_blocks if r.num_free_blocks is not None else r.num_total_blocks) / r.num_total_blocks
+        num_free = r.num_free_blocks if r.num_free_blocks is not None else r.num_total_blocks
+        kv_frac = 1.0 - num_free / r.num_total_blocks
     parked_frac = r.num_parked_sessions / (r.num_parked_sessions + 16)  # saturating: a few parked barely count
     return config.weight_queue * queue_frac + config.weight_kv * kv_frac + config.weight_parked * parked_frac
 

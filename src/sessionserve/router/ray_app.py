@@ -58,15 +58,15 @@ def build_app(options: ServeOptions) -> Any:
 
     if options.store_url is None:
         options = replace(options, store_url=default_store_url())
-    router_config = RequestRouterConfig(request_routing_stats_period_s=options.routing_stats_period_s,
-                                        request_routing_stats_timeout_s=max(1.0, 4 * options.routing_stats_period_s))
+    timing = {"request_routing_stats_period_s": options.routing_stats_period_s,
+                  "request_routing_stats_timeout_s": max(1.0, 4 * options.routing_stats_period_s)}
     if options.router == "session_kv":
         router_config = RequestRouterConfig(request_router_class=SessionKVRouter,
-                                            request_router_kwargs=dict(options.router_kwargs),
-                                            request_routing_stats_period_s=options.routing_stats_period_s,
-                                            request_routing_stats_timeout_s=max(1.0, 4 * options.routing_stats_period_s))
-    # NOTE: replicas get the options without the replica count, so a change of count alone is a lightweight
-    # scale (Serve adds or drains replicas) rather than a new version that replaces them all.
+                                            request_router_kwargs=dict(options.router_kwargs), **timing)
+    else:
+        router_config = RequestRouterConfig(**timing)  # Serve's default: power of two choices
+    # NOTE: the replica count belongs to the deployment, not to a replica's init args: a Serve config that
+    # changes only `num_replicas` of Engine scales in place (drained replicas release their sessions).
     bound = replace(options, num_replicas=1)
     engine = serve.deployment(
         EngineReplica, name=options.engine_deployment, num_replicas=options.num_replicas,
@@ -127,10 +127,10 @@ def serve_from_args(args: Any) -> None:
     keys = {k: "default" for k in args.api_key or []}
     if args.keys_file:
         keys.update(json.loads(Path(args.keys_file).read_text()))
-    engine_kwargs = dict(kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                         dtype=args.dtype, device=args.device, residency_policy=args.residency_policy,
-                         host_kv_bytes=args.host_kv_bytes, disk_kv_bytes=args.disk_kv_bytes, spool_dir=args.spool_dir)
+    engine_kwargs = {"kv_cache_bytes": args.kv_cache_bytes, "max_num_seqs": args.max_num_seqs,
+                         "max_num_batched_tokens": args.max_num_batched_tokens, "num_threads": args.threads,
+                         "dtype": args.dtype, "device": args.device, "residency_policy": args.residency_policy,
+                         "host_kv_bytes": args.host_kv_bytes, "disk_kv_bytes": args.disk_kv_bytes, "spool_dir": args.spool_dir}
     options = ServeOptions(num_replicas=args.replicas, model=args.model, model_name=args.served_model_name,
                            engine_kwargs=engine_kwargs, api_keys=tuple(sorted(keys.items())), store_url=args.store)
     run_forever(options, args.host, args.port)

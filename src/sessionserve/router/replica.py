@@ -112,7 +112,8 @@ class EngineReplica:
 
         self.options = options
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = LLMEngine(Config.from_env(Config.from_kwargs(**options.engine_kwargs)), resolve_model_path(options.model))
+        config = Config.from_env(Config.from_kwargs(**options.engine_kwargs))
+        self.engine = LLMEngine(config, resolve_model_path(options.model))
         self.app = create_app(self.engine, model_name=options.model_name, auth=Auth(dict(options.api_keys) or None))
         self.bridge = self.app.state.ss.bridge
         self.bridge.start()  # the app's lifespan does this under uvicorn; here no server runs it

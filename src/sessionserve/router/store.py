@@ -229,6 +229,5 @@ def make_store(url: str | None) -> SessionStore:
         return MemoryStore()
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisStore(url)
-    if url.startswith("sqlite://"):
-        url = url[len("sqlite://"):]
+    url = url.removeprefix("sqlite://")
     return SQLiteStore(url)
