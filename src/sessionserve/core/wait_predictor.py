@@ -55,16 +55,27 @@ class WaitPredictor:
         self.min_samples = min_samples
         self._by_tool: dict[str, _Window] = {}
         self._all = _Window(window * 4)
+        # NOTE: predict() runs for every parked session on every engine tick; its answer changes only when
+        # a wait is observed, so it is memoized per (tools, hint) until the next observation.
+        self._memo: dict[tuple[tuple[str, ...], float | None], WaitPrediction] = {}
 
     def observe(self, tools: tuple[str, ...], wait_s: float) -> None:
         """Record that a park after calling `tools` lasted `wait_s`."""
         wait_s = max(0.0, float(wait_s))
+        self._memo.clear()
         for tool in tools or ("",):
             self._by_tool.setdefault(tool, _Window(self.window)).add(wait_s)
         self._all.add(wait_s)
 
     def predict(self, tools: tuple[str, ...], hint_s: float | None = None) -> WaitPrediction:
         """Quantiles of the wait after calling `tools`. A client hint, when given, sets the median."""
+        key = (tools, hint_s)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._predict(tools, hint_s)
+        return hit
+
+    def _predict(self, tools: tuple[str, ...], hint_s: float | None) -> WaitPrediction:
         windows = [self._by_tool.get(t) for t in (tools or ("",))]
         known = [w for w in windows if w is not None and len(w) >= self.min_samples]
         if known:
