@@ -1,0 +1,89 @@
+"""The ingress's routing key and the in-process ASGI call a replica makes, without a Ray cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+
+pytest.importorskip("ray")
+
+from sessionserve.cache.block_hash import extend_block_hashes  # noqa: E402
+from sessionserve.model.tokenizer import Tokenizer  # noqa: E402
+from sessionserve.router.ingress import Ingress  # noqa: E402
+from sessionserve.router.ray_app import ServeOptions  # noqa: E402
+from sessionserve.router.replica import RoutedRequest, asgi_call  # noqa: E402
+from sessionserve.router.store import SessionRecord  # noqa: E402
+from sessionserve.server.auth import tenant_salt  # noqa: E402
+from sessionserve.server.chat import render_chat  # noqa: E402
+
+
+@pytest.fixture
+def ingress(tiny_llama: Path, tmp_path: Path) -> Ingress:
+    return Ingress(None, ServeOptions(model=str(tiny_llama), api_keys=(("key-a", "alice"),),
+                                      engine_kwargs={"block_size": 16}, store_url=f"sqlite://{tmp_path / 's.db'}"))
+
+
+def _chat(messages: list[dict], **extra: object) -> bytes:
+    return json.dumps({"model": "m", "messages": messages, **extra}).encode()
+
+
+def test_route_key_of_a_session_turn(ingress: Ingress, tiny_llama: Path) -> None:
+    messages = [{"role": "system", "content": "Be brief. " * 30}, {"role": "user", "content": "hi"}]
+    headers = {"authorization": "Bearer key-a", "x-session-id": "s1"}
+    req = ingress.route_of("POST", "/v1/chat/completions", headers, _chat(messages, stream=True))
+    prompt = render_chat(Tokenizer(tiny_llama), messages, None)
+    expected = extend_block_hashes([], prompt, 16, salt=tenant_salt("alice"))
+    assert len(expected) >= 4 and req.route.block_hashes == tuple(expected)  # what the replica will cache
+    assert (req.tenant, req.session_key, req.route.session_key) == ("alice", "alice/s1", "alice/s1")
+    assert req.route.owner is None and not req.route.is_released and req.is_stream
+    assert req.turn_hash is not None and req.messages == tuple(messages)
+    again = ingress.route_of("POST", "/v1/chat/completions", headers, _chat(messages, stream=True))
+    assert again.turn_hash == req.turn_hash  # a retry of the same turn has the same fingerprint
+    other = ingress.route_of("POST", "/v1/chat/completions", headers, _chat(messages, max_tokens=3))
+    assert other.turn_hash != req.turn_hash
+
+
+def test_route_key_reads_owner_and_release_from_store(ingress: Ingress) -> None:
+    headers = {"authorization": "Bearer key-a"}
+    rec = ingress.store.put(SessionRecord("alice/s2", "alice", owner="r7"))
+    body = _chat([{"role": "user", "content": "x"}], session_id="s2")
+    assert ingress.route_of("POST", "/v1/chat/completions", headers, body).route.owner == "r7"
+    ingress.store.put(SessionRecord("alice/s2", "alice", version=rec.version, owner=None))
+    route = ingress.route_of("POST", "/v1/chat/completions", headers, body).route
+    assert route.owner is None and route.is_released
+    assert ingress.route_of("GET", "/v1/sessions/s2", headers, b"").session_key == "alice/s2"
+
+
+def test_bad_requests_route_anywhere(ingress: Ingress) -> None:
+    for body in (b"{not json", b"[1, 2]", _chat("oops")):  # type: ignore[arg-type]
+        req = ingress.route_of("POST", "/v1/chat/completions", {}, body)
+        assert req.route.block_hashes == () and req.body == body  # the replica answers the 400
+    bad_sid = ingress.route_of("POST", "/v1/chat/completions", {"x-session-id": "bad id!"}, _chat([]))
+    assert bad_sid.session_key is None
+
+
+def test_asgi_call_streams_an_app_response() -> None:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(body: dict) -> StreamingResponse:
+        async def chunks():  # noqa: ANN202
+            for word in body["words"]:
+                yield word.encode()
+        return StreamingResponse(chunks(), media_type="text/plain", headers={"x-n": str(len(body["words"]))})
+
+    req = RoutedRequest("POST", "/echo", b"", ((b"content-type", b"application/json"),),
+                        json.dumps({"words": ["a", "b", "c"]}).encode())
+
+    async def run() -> list[dict]:
+        return [m async for m in asgi_call(app, req)]
+
+    msgs = asyncio.run(run())
+    assert msgs[0]["type"] == "http.response.start" and msgs[0]["status"] == 200
+    assert (b"x-n", b"3") in msgs[0]["headers"]
+    assert b"".join(m.get("body", b"") for m in msgs[1:]) == b"abc"
