@@ -12,14 +12,14 @@ from fastapi.responses import StreamingResponse
 
 pytest.importorskip("ray")
 
-from sessionserve.cache.block_hash import extend_block_hashes  # noqa: E402
-from sessionserve.model.tokenizer import Tokenizer  # noqa: E402
-from sessionserve.router.ingress import Ingress  # noqa: E402
-from sessionserve.router.ray_app import ServeOptions  # noqa: E402
-from sessionserve.router.replica import RoutedRequest, asgi_call  # noqa: E402
-from sessionserve.router.store import SessionRecord  # noqa: E402
-from sessionserve.server.auth import tenant_salt  # noqa: E402
-from sessionserve.server.chat import render_chat  # noqa: E402
+from sessionserve.cache.block_hash import extend_block_hashes
+from sessionserve.model.tokenizer import Tokenizer
+from sessionserve.router.ingress import Ingress
+from sessionserve.router.ray_app import ServeOptions
+from sessionserve.router.replica import RoutedRequest, asgi_call
+from sessionserve.router.store import SessionRecord
+from sessionserve.server.auth import tenant_salt
+from sessionserve.server.chat import render_chat
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_asgi_call_streams_an_app_response() -> None:
 
     @app.post("/echo")
     async def echo(body: dict) -> StreamingResponse:
-        async def chunks():  # noqa: ANN202
+        async def chunks():
             for word in body["words"]:
                 yield word.encode()
         return StreamingResponse(chunks(), media_type="text/plain", headers={"x-n": str(len(body["words"]))})
