@@ -38,17 +38,17 @@ def test_new_sessions_spread_then_stick() -> None:
     state = RouterState.create(CFG)
     replicas = loads(0, 0)
     first = {}
-    for s in ("a", "b", "c", "d"):
-        d = choose_replica(RouteKey(session_key=s), replicas, state, CFG)
+    for i, s in enumerate("abcd"):
+        key = RouteKey(session_key=s, block_hashes=hashes(list(range(i * 1000, i * 1000 + 256))))  # 64 blocks
+        d = choose_replica(key, replicas, state, CFG)
         assert d.reason is RouteReason.LEAST_LOADED
-        apply(state, RouteKey(session_key=s), d.replica_id)
-        first[s] = d.replica_id
-    assert sorted(first.values()) == ["r0", "r0", "r1", "r1"]  # equal replicas share new sessions
-    for _ in range(3):  # later steps go home even when home is busier
-        for s, home in first.items():
-            d = choose_replica(RouteKey(session_key=s), loads(5, 0) if home == "r0" else loads(0, 5), state, CFG)
+        apply(state, key, d.replica_id)
+        first[s] = (d.replica_id, key)
+    assert sorted(r for r, _ in first.values()) == ["r0", "r0", "r1", "r1"]  # equal replicas share new sessions
+    for _ in range(3):  # later steps go home even when home is busier: moving would recompute 64 blocks
+        for home, key in first.values():
+            d = choose_replica(key, loads(5, 0) if home == "r0" else loads(0, 5), state, CFG)
             assert (d.replica_id, d.reason) == (home, RouteReason.AFFINITY)
-
 
 def test_store_owner_wins_over_router_memory() -> None:
     state = RouterState.create(CFG)
@@ -73,16 +73,16 @@ def test_longest_prefix_wins() -> None:
     assert (d.replica_id, d.reason, d.num_matched_blocks) == ("r1", RouteReason.PREFIX, 8)
 
 
-def test_prefix_yields_to_imbalance_and_overload() -> None:
+def test_prefix_is_weighed_against_queue_and_yields_to_overload() -> None:
     state = RouterState.create(CFG)
-    key = RouteKey(block_hashes=hashes(list(range(16))))
+    key = RouteKey(block_hashes=hashes(list(range(64))))  # 16 blocks
     apply(state, key, "r0")
-    assert choose_replica(key, loads(4, 0), state, CFG).reason is RouteReason.PREFIX
-    d = choose_replica(key, loads(5, 0), state, CFG)  # 5 more queued than r1: past max_prefix_imbalance
+    # cost = blocks to prefill + 4 x requests in flight: r0 3 x 4 = 12 < r1 16 + 0
+    assert choose_replica(key, loads(3, 0), state, CFG).reason is RouteReason.PREFIX
+    d = choose_replica(key, loads(5, 0), state, CFG)  # r0 20 > r1 16: the queue outweighs the cache
     assert (d.replica_id, d.reason) == ("r1", RouteReason.LEAST_LOADED)
     d = choose_replica(key, loads(0, 0, free=(1, 50)), state, CFG)  # r0's KV is full
     assert (d.replica_id, d.reason) == ("r1", RouteReason.LEAST_LOADED)
-
 
 def test_tenant_salt_separates_prefixes() -> None:
     state = RouterState.create(CFG)
@@ -100,16 +100,20 @@ def test_least_loaded_counts_queue_kv_and_parked() -> None:
     assert choose_replica(RouteKey(), loads(1, 1, free=(50, 50), parked=(10, 0)), state, CFG).replica_id == "r1"
 
 
-def test_rebalance_only_when_home_overloaded_and_other_clearly_lighter() -> None:
+def test_rebalance_when_queue_gap_outweighs_recompute_or_home_overloaded() -> None:
     state = RouterState.create(CFG)
-    apply(state, RouteKey(session_key="s"), "r0")
-    d = choose_replica(RouteKey(session_key="s"), loads(7, 0), state, CFG)
-    assert d.reason is RouteReason.AFFINITY  # busy but not overloaded: stay with the KV
-    d = choose_replica(RouteKey(session_key="s"), loads(9, 0), state, CFG)
+    key = RouteKey(session_key="s", block_hashes=hashes(list(range(64))))  # 16 blocks of history on r0
+    apply(state, key, "r0")
+    assert choose_replica(key, loads(1, 0), state, CFG).reason is RouteReason.AFFINITY  # gap under the minimum
+    assert choose_replica(key, loads(3, 0), state, CFG).reason is RouteReason.AFFINITY  # 3 x 4 < 16 blocks
+    d = choose_replica(key, loads(5, 0), state, CFG)  # 5 x 4 > 16: cheaper to recompute on r1
     assert (d.replica_id, d.reason, d.previous_owner) == ("r1", RouteReason.REBALANCE, "r0")
-    d = choose_replica(RouteKey(session_key="s"), loads(9, 8), state, CFG)
-    assert d.reason is RouteReason.AFFINITY  # nowhere clearly better to go
-
+    long_key = RouteKey(session_key="s", block_hashes=hashes(list(range(400))))  # 100 blocks
+    assert choose_replica(long_key, loads(7, 0), state, CFG).reason is RouteReason.AFFINITY
+    d = choose_replica(long_key, loads(9, 0), state, CFG)  # overloaded home: leave whatever it costs
+    assert (d.replica_id, d.reason) == ("r1", RouteReason.REBALANCE)
+    d = choose_replica(long_key, loads(9, 8), state, CFG)  # nowhere clearly better to go
+    assert d.reason is RouteReason.AFFINITY
 
 def test_forget_replica_drops_its_prefixes() -> None:
     state = RouterState.create(CFG)

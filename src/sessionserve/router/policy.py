@@ -8,11 +8,14 @@ Order of preference, after Dynamo's KV router and Ray's prefix-affinity router:
    is *rebalanced* (it recomputes or restores there, and that replica owns it).
 2. **Failover.** The owner is gone (dead or drained): pick as for a new
    request and say so, so the caller can count it.
-3. **Longest cached prefix.** Among replicas that are not overloaded, the one
-   whose cache (as this router has fed it) holds the most leading blocks of
-   the prompt, if that replica's load is within `max_prefix_imbalance` of the
-   least loaded one.
+3. **Longest cached prefix, weighed against load.** Among replicas that are
+   not overloaded, the one with the lowest cost = blocks it would have to
+   prefill (the prompt's blocks its cache, as this router fed it, lacks) +
+   `queue_cost_blocks` x its requests in flight.
 4. **Least loaded.** By a score of queue depth, used KV and parked sessions.
+
+A session also leaves a home that is merely busier (not overloaded) when the
+queue gap, priced the same way, exceeds what it would recompute elsewhere.
 
 The policy imports no Ray, no HTTP and no clock; `PrefixIndex` is the
 router's own record of which block hashes it sent where (an approximation of
@@ -61,8 +64,11 @@ class ReplicaLoad:
 class PolicyConfig:
     overload_queue_frac: float = 0.8  # a replica with num_queued >= this * max_queued is overloaded
     overload_min_free_kv_frac: float = 0.02  # ... or with less than this fraction of its KV free
-    rebalance_margin: float = 0.3  # move a session only if another replica scores this much lower
-    max_prefix_imbalance: int = 4  # prefix match wins while its queue is at most this much longer
+    rebalance_margin: float = 0.3  # move off an overloaded home only if another replica scores this much lower
+    # NOTE: the exchange rate between load and cache, as in Dynamo's KV router (cost = blocks to prefill +
+    # weight x load): one more request in flight on a replica is worth this many KV blocks of prefill.
+    queue_cost_blocks: float = 4.0
+    min_rebalance_queue_gap: int = 2  # a session leaves a busier home only past this queue gap (no flapping)
     min_prefix_blocks: int = 1  # a match shorter than this is no match
     weight_queue: float = 1.0  # score = w_q * queue_frac + w_kv * used_kv_frac + w_p * parked_frac
     weight_kv: float = 0.5
@@ -169,6 +175,13 @@ def choose_replica(key: RouteKey, replicas: Sequence[ReplicaLoad], state: Router
                 load_score(least, config) + config.rebalance_margin < load_score(home, config):
             return RouteDecision(least.replica_id, RouteReason.REBALANCE,
                                  state.index.num_matched(least.replica_id, key.block_hashes), previous_owner=owner)
+        idle = min(replicas, key=lambda r: (r.num_queued, load_score(r, config), r.replica_id))
+        gap = home.num_queued - idle.num_queued
+        if gap >= config.min_rebalance_queue_gap and not is_overloaded(idle, config):
+            recompute_blocks = len(key.block_hashes) - state.index.num_matched(idle.replica_id, key.block_hashes)
+            if gap * config.queue_cost_blocks > recompute_blocks:
+                return RouteDecision(idle.replica_id, RouteReason.REBALANCE,
+                                     len(key.block_hashes) - recompute_blocks, previous_owner=owner)
         return RouteDecision(owner, RouteReason.AFFINITY, state.index.num_matched(owner, key.block_hashes))
     fresh = _choose_fresh(key, ranked, state, config)
     if owner is not None:  # the session had a home that is gone
@@ -179,18 +192,17 @@ def choose_replica(key: RouteKey, replicas: Sequence[ReplicaLoad], state: Router
 def _choose_fresh(key: RouteKey, ranked: list[ReplicaLoad], state: RouterState,
                   config: PolicyConfig) -> RouteDecision:
     least = ranked[0]
-    best: ReplicaLoad | None = None
-    best_n = 0
-    for r in ranked:
-        if is_overloaded(r, config) or r.num_queued - least.num_queued > config.max_prefix_imbalance:
+    best, best_cost, best_n = least, None, 0
+    for r in ranked:  # least loaded first, so it wins ties
+        if is_overloaded(r, config):
             continue
         n = state.index.num_matched(r.replica_id, key.block_hashes)
-        if n > best_n:
-            best, best_n = r, n
-    if best is not None and best_n >= config.min_prefix_blocks:
+        cost = (len(key.block_hashes) - n) + config.queue_cost_blocks * r.num_queued
+        if best_cost is None or cost < best_cost:
+            best, best_cost, best_n = r, cost, n
+    if best_n >= config.min_prefix_blocks:
         return RouteDecision(best.replica_id, RouteReason.PREFIX, best_n)
-    return RouteDecision(least.replica_id, RouteReason.LEAST_LOADED, state.index.num_matched(
-        least.replica_id, key.block_hashes))
+    return RouteDecision(best.replica_id, RouteReason.LEAST_LOADED, best_n)
 
 
 def apply(state: RouterState, key: RouteKey, replica_id: str) -> None:

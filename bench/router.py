@@ -1,0 +1,127 @@
+"""Scale-out routing: our session/KV-aware router vs Ray Serve's default (power of two choices), one run.
+
+Starts a local Ray cluster with two Serve apps side by side, each an ingress
+and N engine replicas of the same model and settings: /ours behind
+`SessionKVRouter`, /base behind Ray Serve's default router. Then replays the
+same agent trace over HTTP (`sessionserve bench --backend http`'s driver:
+streamed /v1/completions with X-Session-ID, full prompt every step) against
+each, one after the other, and writes a report with both series
+(baseline: the default router) plus a summary of the ratios.
+
+    .venv/bin/python bench/router.py                                  # defaults recorded in bench/RESULTS.md
+    .venv/bin/python bench/router.py --replicas 2 --loads 8 --num-sessions 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+MiB = 1 << 20
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--trace", default="weka_claude_code")
+    p.add_argument("--num-sessions", type=int, default=16)
+    p.add_argument("--max-steps", type=int, default=6)
+    p.add_argument("--max-context", type=int, default=1500)
+    p.add_argument("--token-scale", type=float, default=128.0)
+    p.add_argument("--time-scale", type=float, default=10.0)
+    p.add_argument("--max-wait-s", type=float, default=5.0)
+    p.add_argument("--loads", default="8", help="closed loop: concurrent agents (comma-separated sweep)")
+    p.add_argument("--model-size", default="small", choices=("tiny", "small"))
+    p.add_argument("--device-kv-bytes", type=int, default=96 * MiB)
+    p.add_argument("--host-kv-bytes", type=int, default=512 * MiB)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    import ray
+    from ray import serve
+
+    from sessionserve.cli_bench import _machine
+    from sessionserve.model.make_model import ensure_model
+    from sessionserve.router.ray_app import ServeOptions, build_app
+    from sessionserve.workload.http_backend import HttpBackend
+    from sessionserve.workload.loader import load_trace
+    from sessionserve.workload.replay import LoadSpec
+    from sessionserve.workload.report import write_report
+    from sessionserve.workload.results import build_results
+    from sessionserve.workload.sweep import run_http
+    from tests.server.conftest import free_port
+
+    model_dir = ensure_model("llama", args.model_size)
+    trace = load_trace(args.trace, token_scale=args.token_scale, time_scale=args.time_scale,
+                       max_sessions=args.num_sessions, max_steps=args.max_steps, min_steps=args.max_steps,
+                       max_context_tokens=args.max_context, max_wait_s=args.max_wait_s, seed=args.seed)
+    loads = [LoadSpec("closed", concurrency=int(x)) for x in args.loads.split(",")]
+    engine = {"kv_cache_bytes": args.device_kv_bytes, "host_kv_bytes": args.host_kv_bytes, "num_threads": args.threads,
+                  "max_num_seqs": 32, "max_num_batched_tokens": 1024}
+    out = Path(args.out or ROOT / "bench" / "out" / f"router-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * MiB,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(args.threads)}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    labels = {"base": "ray_default_router", "ours": "session_kv_router"}
+    targets = []
+    for name, router in (("base", "pow2"), ("ours", "session_kv")):
+        opts = ServeOptions(num_replicas=args.replicas, model=str(model_dir), model_name="m", engine_kwargs=engine,
+                            store_url=f"sqlite://{out / (name + '.db')}", router=router, replica_num_cpus=0)
+        targets.append(serve.RunTarget(build_app(opts), name=name, route_prefix=f"/{name}"))
+    serve.run_many(targets)
+    runs = {}
+    try:
+        for name in ("base", "ours"):
+            url = f"http://127.0.0.1:{port}/{name}"
+            runs.update(run_http(trace, labels[name], loads, lambda url=url: HttpBackend(url, model="m",
+                                                                                          seed=args.seed),
+                                 seed=args.seed))
+            import httpx
+
+            (out / f"{name}-router-stats.json").write_text(httpx.get(url + "/router/stats", timeout=30).text)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    meta = {"command": shlex.join([".venv/bin/python", "bench/router.py", *sys.argv[1:]]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": f"embedded llama {args.model_size}",
+            "machine": _machine(), "backend": f"HTTP via Ray Serve, {args.replicas} replicas per app",
+            "settings": {**engine, "loads": args.loads, "max_steps": args.max_steps, "seed": args.seed}}
+    results = build_results(trace, runs, meta=meta, baseline=labels["base"])
+    write_report(out, results, runs)
+    b, o = (results["policies"][labels[k]] for k in ("base", "ours"))
+
+    def ratio(x: float | None, y: float | None) -> str:
+        return f"{x / y:.2f}x" if x and y else "n/a"
+
+    lines = ["| router | cached prompt fraction | TTFT p50 s | TTFT p99 s | sessions/h | JCT p50 s | failed |",
+             "|---|---|---|---|---|---|---|"]
+    for label, s in ((labels["base"], b), (labels["ours"], o)):
+        lines.append(f"| {label} | {s['cached_fraction'] or 0:.3f} | {s['ttft_p50_s'] or 0:.3f} | "
+                     f"{s['ttft_p99_s'] or 0:.3f} | {s['sessions_per_hour'] or 0:.1f} | {s['jct_p50_s'] or 0:.2f} | "
+                     f"{s['num_failed']} |")
+    lines.append(f"\nours vs default: cached fraction {ratio(o['cached_fraction'], b['cached_fraction'])}, "
+                 f"TTFT p50 {ratio(b['ttft_p50_s'], o['ttft_p50_s'])} lower, TTFT p99 "
+                 f"{ratio(b['ttft_p99_s'], o['ttft_p99_s'])} lower, sessions/h "
+                 f"{ratio(o['sessions_per_hour'], b['sessions_per_hour'])}")
+    summary = "\n".join(lines)
+    (out / "summary.md").write_text(summary + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print(summary)
+    print(f"report: {out}")
+
+
+if __name__ == "__main__":
+    main()
