@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     cli_bench.add_demo_arguments(demo)
     demo.set_defaults(func=cli_bench.run_demo)
 
+    from sessionserve import cli_sim
+
+    cli_sim.add_subcommands(sub)  # calibrate, simulate, plan
+
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "make-model":
         from sessionserve.model.make_model import main as make_model_main

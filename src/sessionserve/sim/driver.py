@@ -26,9 +26,19 @@ from sessionserve.workload.replay import (KV_SAMPLE_PERIOD_S, LoadSpec, ReplayRe
                                           arrival_times)
 from sessionserve.workload.trace import AgentSession
 
-# NOTE: as in InprocBackend, an idle engine still steps this often (virtual seconds) while some session's KV is
-# off device or moving, so prefetches start before resumes; with nothing to prefetch the clock jumps ahead.
+# NOTE: as in InprocBackend, an idle engine still steps every IDLE_TICK_S (virtual seconds) while some session's KV
+# is off device or moving, so prefetches start before resumes; with nothing to prefetch the clock jumps ahead.
+# Unlike the real loop, the idle interval doubles while nothing happens, up to MAX_IDLE_TICK_S: a long idle stretch
+# costs ~10 ticks per second instead of 200, and a prefetch starts at most MAX_IDLE_TICK_S later than the real
+# engine would start it.
 IDLE_TICK_S = 0.005
+MAX_IDLE_TICK_S = 0.1
+# A replay whose engine has work but produces nothing for this long (simulated seconds) is stuck, not slow.
+STALL_S = 600.0
+
+
+class SimStalled(RuntimeError):
+    """The engine had queued work and made no progress for `STALL_S` simulated seconds."""
 
 
 @dataclass(slots=True)
@@ -48,8 +58,10 @@ class SimReplay:
     """One replay of `sessions` under `load` on `engine` (fresh, owned by the caller)."""
 
     def __init__(self, engine: SimEngine, sessions: Sequence[AgentSession], load: LoadSpec, seed: int = 0,
-                 hint_waits: bool = False, on_session_done: Callable[[SessionRecord], None] | None = None) -> None:
+                 hint_waits: bool = False, on_session_done: Callable[[SessionRecord], None] | None = None,
+                 max_idle_tick_s: float = MAX_IDLE_TICK_S) -> None:
         self.engine = engine
+        self.max_idle_tick_s = max_idle_tick_s
         self.clock = engine.clock
         self.sessions = list(sessions)
         self.load = load
@@ -67,6 +79,7 @@ class SimReplay:
         self._queue: list[AgentSession] = []
         self._next_kv_s = 0.0
         self._num_live = 0
+        self._idle_tick_s = IDLE_TICK_S
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -85,21 +98,39 @@ class SimReplay:
             for trace, at_s in zip(self.sessions, arrivals):
                 self._at(t0 + at_s, "arrive", trace)
         eng = self.engine
+        progress_s = self.clock()
         while self._events or eng.has_unfinished():
             while self._events and self._events[0][0] <= self.clock():
                 _, _, kind, data = heapq.heappop(self._events)
                 self._handle(kind, data)
+                progress_s = self.clock()
             self._sample_kv()
             before = self.clock()
-            for out in eng.step():
+            outs = eng.step()
+            for out in outs:
                 if out.finished and out.seq.request_id in self._waiting:
                     self._step_done(self._waiting.pop(out.seq.request_id), out.seq)
+            if outs or not eng.has_unfinished():
+                progress_s = self.clock()
+            if self.clock() != before or self._has_ready_work():
+                self._idle_tick_s = IDLE_TICK_S
+            elif self.clock() - progress_s > STALL_S:
+                raise SimStalled(self._stall_message())
             if self.clock() == before and not self._has_ready_work():
                 self.clock.advance_to(self._next_time())
         self._sample_kv(force=True)
         makespan = self.clock() - t0
         return ReplayResult(self.load, self.records, self.steps, self.kv_samples, makespan,
                             busy_s=eng.executor.busy_s, cpu_s=None)
+
+    def _stall_message(self) -> str:
+        sch, kv = self.engine.core.scheduler, self.engine.kv
+        head = sch.waiting[0] if sch.waiting else None
+        need = "" if head is None else (f"; the first waiting request has {head.num_tokens} tokens "
+                                        f"({kv.blocks_needed(head.num_tokens)} blocks)")
+        return (f"the engine made no progress for {STALL_S:g} simulated seconds at t={self.clock():.1f} s: "
+                f"{len(sch.running)} running, {len(sch.waiting)} waiting, {kv.num_free_blocks} of "
+                f"{kv.pool.num_blocks} device blocks free{need}")
 
     def _has_ready_work(self) -> bool:
         return bool(self._events) and self._events[0][0] <= self.clock()
@@ -111,8 +142,11 @@ class SimReplay:
         mover = self.engine.mover
         if mover is not None and mover.next_done_s() is not None:
             candidates.append(mover.next_done_s())
-        if self._needs_ticks() or self.engine.has_unfinished():
+        if self.engine.has_unfinished():
             candidates.append(now + IDLE_TICK_S)
+        elif self._needs_ticks():
+            candidates.append(now + self._idle_tick_s)
+            self._idle_tick_s = min(self.max_idle_tick_s, 2 * self._idle_tick_s)
         return min(candidates) if candidates else now + IDLE_TICK_S
 
     def _needs_ticks(self) -> bool:
@@ -222,7 +256,7 @@ class SimReplay:
 
 
 def simulate(engine: SimEngine, sessions: Sequence[AgentSession], load: LoadSpec, *, seed: int = 0,
-             hint_waits: bool = False, on_session_done: Callable[[SessionRecord], None] | None = None
-             ) -> ReplayResult:
+             hint_waits: bool = False, on_session_done: Callable[[SessionRecord], None] | None = None,
+             max_idle_tick_s: float = MAX_IDLE_TICK_S) -> ReplayResult:
     """Replay `sessions` under `load` on `engine`; returns the same `ReplayResult` as the bench's replay."""
-    return SimReplay(engine, sessions, load, seed, hint_waits, on_session_done).run()
+    return SimReplay(engine, sessions, load, seed, hint_waits, on_session_done, max_idle_tick_s).run()

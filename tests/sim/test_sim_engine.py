@@ -1,0 +1,124 @@
+"""The simulator drives the engine's own scheduler and policies; deterministic; fast; reports like the bench."""
+
+from __future__ import annotations
+
+import ast
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+import sessionserve.sim as sim_pkg
+from sessionserve.config import Config
+from sessionserve.core import residency
+from sessionserve.core.engine import EngineCore
+from sessionserve.core.scheduler import Scheduler
+from sessionserve.core.session_manager import SessionManager
+from sessionserve.sim.derived import builtin_profile
+from sessionserve.sim.driver import SimStalled, simulate
+from sessionserve.sim.engine import SimEngine
+from sessionserve.sim.runs import run_sim
+from sessionserve.workload.metrics import summarize
+from sessionserve.workload.plots import PLOT_FILES
+from sessionserve.workload.replay import LoadSpec
+from sessionserve.workload.report import write_report
+from sessionserve.workload.results import build_results
+from sessionserve.workload.trace import AgentSession, Step, ToolCall, TraceSet
+
+PROFILE = builtin_profile("h100-llama3-8b")
+ENGINE = dict(kv_cache_bytes=2 << 30, host_kv_bytes=64 << 30, max_num_seqs=64, max_num_batched_tokens=4096)
+
+
+def agent_trace(num_sessions: int = 12, num_steps: int = 6, wait_s: float = 5.0, output_tokens: int = 80
+                ) -> TraceSet:
+    def session(i: int) -> AgentSession:
+        steps = [Step(2000 if k == 0 else 300 + 10 * i, output_tokens, (ToolCall("Bash" if k % 2 else "Read", wait_s * (1 + k % 3)),),
+                      "tool", (0,) if k == 0 else (), 1024 if k == 0 else 0) for k in range(num_steps - 1)]
+        steps.append(Step(200, 40, (), "end"))
+        return AgentSession(f"s{i}", tuple(steps))
+
+    return TraceSet("synthetic", tuple(session(i) for i in range(num_sessions)), provenance=("made in the test",))
+
+
+def make_engine(policy: str, **kw: int) -> SimEngine:
+    return SimEngine(Config.from_kwargs(residency_policy=policy, **{**ENGINE, **kw}), PROFILE)
+
+
+def test_sim_engine_is_assembled_from_the_engines_own_objects() -> None:
+    eng = make_engine("predictive")
+    assert type(eng.core) is EngineCore and type(eng.core.scheduler) is Scheduler
+    assert type(eng.sessions) is SessionManager and eng.core.sessions is eng.sessions
+    assert type(eng.sessions.policy) is residency.POLICIES["predictive"]
+    assert eng.core.scheduler.kv is eng.kv and eng.sessions.kv is eng.kv
+
+
+def test_simulation_runs_the_real_schedule_and_decide_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"schedule": 0, "decide": 0}
+    real_schedule, real_decide = Scheduler.schedule, residency.PredictivePolicy.decide
+
+    def schedule(self: Scheduler, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls["schedule"] += 1
+        return real_schedule(self, *args, **kwargs)
+
+    def decide(self: residency.PredictivePolicy, view: residency.ResidencyView):  # noqa: ANN202
+        calls["decide"] += 1
+        return real_decide(self, view)
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    monkeypatch.setattr(residency.PredictivePolicy, "decide", decide)
+    result = simulate(make_engine("predictive"), agent_trace(3, 3).sessions, LoadSpec("closed", 3))
+    assert len(result.steps) == 9
+    assert calls["schedule"] > 9 and calls["decide"] > 9
+
+
+def test_no_scheduler_or_policy_logic_is_copied_under_sim() -> None:
+    forbidden = {"schedule", "decide", "_preempt", "begin_turn", "end_turn", "find_cached_prefix", "allocate"}
+    for path in Path(sim_pkg.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+        assert not defined & forbidden, (path.name, defined & forbidden)
+        assert not any(name.endswith(("Scheduler", "Policy")) for name in defined), path.name
+
+
+def test_deterministic_and_policies_differ_under_memory_pressure() -> None:
+    trace = agent_trace()
+    # 12 sessions of ~2.5k tokens: 1 GiB of device KV (8k tokens) holds three at a time.
+    runs = [simulate(make_engine(p, kv_cache_bytes=1 << 30), trace.sessions, LoadSpec("closed", 12), seed=3)
+            for p in ("discard", "predictive", "predictive")]
+    a, b, c = (summarize(r) for r in runs)
+    assert b == c and [s.end_s for s in runs[1].sessions] == [s.end_s for s in runs[2].sessions]
+    assert a["num_completed"] == b["num_completed"] == 12
+    assert a["recompute_tokens"] > 0 and b["recompute_tokens"] < a["recompute_tokens"]
+    assert b["peak_host_kv_bytes"] > 0 and a["peak_host_kv_bytes"] == 0
+    # A closed-loop session's JCT is its waits plus its steps: never less than its waits.
+    assert all(s.jct_s >= s.total_wait_s for s in runs[1].sessions)
+
+
+def test_simulated_hours_in_seconds() -> None:
+    trace = agent_trace(num_sessions=20, num_steps=12, wait_s=180.0, output_tokens=20)  # ~1 h of waits each
+    t0 = time.perf_counter()
+    result = simulate(make_engine("predictive"), trace.sessions, LoadSpec("closed", 20), max_idle_tick_s=1.0)
+    wall = time.perf_counter() - t0
+    assert result.makespan_s > 3600 and len(result.steps) == 240
+    assert wall < 10, wall  # NOTE: ~2 s on a 2-core machine; the bound leaves room for a loaded one
+
+
+def test_a_session_too_big_for_the_device_is_reported_not_spun_on() -> None:
+    # 300 tokens of KV fit (block 16, ~19 blocks); the session grows past it while decoding.
+    eng = make_engine("discard", kv_cache_bytes=19 * 16 * PROFILE.model.kv_bytes_per_token)
+    trace = (AgentSession("big", (Step(250, 100, (), "end"),)),)
+    with pytest.raises(SimStalled, match="no progress"):
+        simulate(eng, trace, LoadSpec("closed", 1))
+
+
+def test_run_sim_writes_the_bench_report(tmp_path: Path) -> None:
+    trace = agent_trace(6, 3)
+    runs = run_sim(trace, ["discard", "keep"], [LoadSpec("closed", 2), LoadSpec("closed", 6)], PROFILE, ENGINE)
+    assert all(r.extra["leaked_blocks"] == 0 for rs in runs.values() for r in rs)
+    results = build_results(trace, runs, meta={"command": "test", "backend": "SIMULATED", "settings": {"mode": "closed"}})
+    write_report(tmp_path, results, runs)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert set(data["policies"]) == {"discard", "keep"} and data["policies"]["keep"]["jct_p50_s"] > 5.0
+    for name in PLOT_FILES:
+        assert (tmp_path / name).stat().st_size > 1000
