@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from sessionserve.core.priority import PriorityPolicy
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -56,6 +58,14 @@ class SchedulerConfig:
     max_model_len: int | None = None
     # Split prompts longer than the remaining step budget across steps.
     enable_chunked_prefill: bool = True
+    # "priority": interactive before batch, least attained service per session,
+    # aging (core/priority.py). "fcfs": arrival order, as request-level servers do.
+    scheduling_policy: str = "priority"
+    las_quantum_tokens: int = 2048
+    aging_s: float = 5.0
+    starvation_s: float = 30.0
+    # An interactive turn kept waiting this long by memory or batch slots preempts batch work.
+    preempt_after_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -64,6 +74,11 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self.priority_policy()  # validates the policy fields
+
+    def priority_policy(self) -> PriorityPolicy:
+        return PriorityPolicy(self.scheduling_policy, self.las_quantum_tokens, self.aging_s,
+                              self.starvation_s, self.preempt_after_s)
 
 
 @dataclass(frozen=True)

@@ -105,12 +105,14 @@ class LLMEngine:
         return f"req-{self._next_id}"
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    stream: bool = False, salt: bytes = b"", session_id: str | None = None) -> str:
+                    stream: bool = False, salt: bytes = b"", session_id: str | None = None,
+                    priority: str | None = None) -> str:
         """Queue a prompt (text or token ids). Returns the request id. Raises ValueError on bad input.
 
         With `session_id`, `prompt` is the session's new turn only (e.g. tool
         results and the next assistant header); what the session holds is not
-        sent, tokenized or prefilled again.
+        sent, tokenized or prefilled again. `priority`: "interactive" | "batch"
+        (default: the session's, else interactive).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
@@ -124,7 +126,7 @@ class LLMEngine:
         if params.guided is not None:
             # Compile now (cached by spec): a bad schema is this request's 400, never a failed engine step.
             self.runner.grammar_compiler.compile(params.guided)
-        seq = self.core.add_request(rid, ids, params, salt, session_id=session_id)
+        seq = self.core.add_request(rid, ids, params, salt, session_id=session_id, priority=priority)
         detok = None
         if stream or params.stop:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)

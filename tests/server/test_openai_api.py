@@ -157,6 +157,20 @@ def test_errors_have_openai_shape_and_status(server: LiveServer) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
 
 
+def test_priority_field_and_header(server: LiveServer) -> None:
+    c = client(server)
+    msgs = [{"role": "user", "content": "hi"}]
+    ok = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, extra_body={"priority": "batch"})
+    assert ok.usage.completion_tokens == 2
+    ok = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2,
+                                   extra_headers={"X-Priority": "interactive"})
+    assert ok.usage.completion_tokens == 2
+    for kwargs in ({"extra_body": {"priority": "urgent"}}, {"extra_headers": {"X-Priority": "urgent"}}):
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, **kwargs)
+        assert bad.value.body["param"] == "priority"
+
+
 def _free_blocks(server: LiveServer) -> int:
     return server.call(lambda e: e.kv.num_free_blocks)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import SchedulerConfig
 from sessionserve.core.executor import Executor
+from sessionserve.core.priority import priority_rank
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.core.scheduler import Scheduler, SchedulerOutput
 from sessionserve.core.sequence import Sequence, SequenceStatus
@@ -47,13 +48,15 @@ class EngineCore:
         self.prefill_s_per_token: float | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    salt: bytes = b"", session_id: str | None = None) -> Sequence:
+                    salt: bytes = b"", session_id: str | None = None, priority: str | None = None) -> Sequence:
         """Queue a request, or the next turn of a session (`prompt_token_ids` = the new tokens only).
 
+        `priority` ("interactive" | "batch"): default the session's, else interactive.
         Raises ValueError for a duplicate id, an empty or too-long prompt, an
-        unknown or busy session.
+        unknown or busy session, an unknown priority.
         """
         session = self._session(session_id) if session_id is not None else None
+        rank = priority_rank(priority or (session.priority if session is not None else "interactive"))
         if session is not None:
             new_ids = list(prompt_token_ids)
             prompt_token_ids = session.token_ids + new_ids
@@ -67,7 +70,9 @@ class EngineCore:
         seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
                        num_prompt_tokens=len(prompt_token_ids), sampling_params=params,
                        arrival_s=self.clock(), eos_token_ids=self.eos_token_ids,
-                       max_model_len=self.max_model_len, salt=salt)
+                       max_model_len=self.max_model_len, salt=salt, priority=rank)
+        if session is not None:
+            seq.program = session.program
         self.scheduler.check_fits(seq)
         if session is not None:
             assert self.sessions is not None
@@ -120,7 +125,7 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         """Run one step. Returns the sequences that got a token or finished."""
-        plan: SchedulerOutput = self.scheduler.schedule()
+        plan: SchedulerOutput = self.scheduler.schedule(self.clock())
         if plan.is_empty:
             if self.sessions is not None:
                 if self.sessions.num_blocked and self.sessions.mover is not None:

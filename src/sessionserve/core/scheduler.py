@@ -1,15 +1,21 @@
 """Continuous-batching scheduler: which sequences run this step, and how many tokens each.
 
-Pure: no torch, no clock, no I/O. Given the same queues and pool it returns
-the same plan. Policy, per step, under a token budget:
-  1. running sequences first, in admission order (decodes cost one token;
-     a sequence mid-prefill gets its next chunk);
-  2. if a running sequence needs a block and none is free, the most recently
-     admitted running sequence is preempted by recompute: its blocks are
-     freed, it goes back to the head of the waiting queue with all its tokens
-     (prompt and output so far) and is never dropped;
-  3. then waiting sequences in arrival order, each reusing its longest cached
-     prefix, while the budget, `max_num_seqs` and free blocks allow.
+Pure: no torch, no clock (`now_s` comes in), no I/O. Given the same queues,
+pool and time it returns the same plan. Per step, under a token budget:
+  0. both queues are put in the order of the scheduling policy
+     (core/priority.py: interactive before batch, least attained service per
+     session, aging; or arrival order for `fcfs`); an interactive turn that
+     has waited too long for memory or a slot preempts batch work first;
+  1. running sequences, in that order (decodes cost one token; a sequence
+     mid-prefill gets its next chunk); a batch prefill chunk waits until the
+     interactive admissions of step 2 have had the budget;
+  2. if a running sequence needs a block and none is free, the last running
+     sequence in the order is preempted by recompute: its blocks are freed, it
+     goes back to the waiting queue with all its tokens (prompt and output so
+     far) and is never dropped;
+  3. then waiting sequences in order, each reusing its longest cached prefix,
+     while the budget, `max_num_seqs` and free blocks allow; then the deferred
+     batch chunks of step 1 with what is left.
 """
 
 from __future__ import annotations
@@ -54,10 +60,13 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
+        self.policy = config.priority_policy()
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Batch sequences preempted so that a waiting interactive one could run.
+        self.num_priority_preemptions = 0
         # Blocks the first waiting sequence needed and could not get in the last schedule().
         self.num_wanted_blocks = 0
 
@@ -77,15 +86,34 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def _key(self, seq: Sequence, now_s: float | None) -> tuple[int, int, float]:
+        return self.policy.key(seq.priority, seq.program.service_tokens, seq.arrival_s, now_s)
+
+    def schedule(self, now_s: float | None = None) -> SchedulerOutput:
+        """Plan one step. `now_s` (any clock) drives aging and urgency; None: no aging."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
         scheduled_ids: set[int] = set()
 
+        prioritized = self.policy.policy != "fcfs"
+        if prioritized:
+            self.running.sort(key=lambda s: self._key(s, now_s))
+            self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
+        urgent_preempted = self._preempt_for_urgent(now_s) if prioritized else []
+        if urgent_preempted:
+            self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
+        # Batch prefill chunks yield the budget to waiting interactive turns.
+        defer_batch = prioritized and any(s.priority == 0 and not s.is_blocked for s in self.waiting)
+        deferred: list[Sequence] = []
+
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if defer_batch and seq.priority > 0 and seq.num_uncomputed_tokens > 1:
+                deferred.append(seq)
+                i += 1
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
                 victim = self.running.pop()
@@ -139,8 +167,42 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-        return SchedulerOutput(tuple(chunks), self.config.max_num_batched_tokens - budget, tuple(preempted),
-                               self.kv.block_tables)
+        for seq in deferred:  # background chunks fill what the interactive admissions left
+            if budget <= 0:
+                break
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
+                continue  # no preemption for background work; it retries next step
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new,
+                                         seq.num_computed_tokens + num_new == seq.num_tokens))
+            budget -= num_new
+
+        return SchedulerOutput(tuple(chunks), self.config.max_num_batched_tokens - budget,
+                               tuple(urgent_preempted + preempted), self.kv.block_tables)
+
+    def _preempt_for_urgent(self, now_s: float | None) -> list[str]:
+        """Preempt batch sequences (last in order first) so the first waiting turn can start.
+
+        Only when that turn is interactive, has waited `preempt_after_s`, and
+        lacks a batch slot or free blocks. Blocks counted without its prefix-cache
+        hit: may free a little more than needed, never less.
+        """
+        head = next((s for s in self.waiting if not s.is_blocked), None)
+        if head is None or not self.policy.is_urgent(head.priority, head.arrival_s, now_s):
+            return []
+        held = len(self.kv.block_tables.get(head.request_id, ()))
+        need_blocks = max(0, self.kv.blocks_needed(head.num_tokens) - held)
+        victims: list[str] = []
+        for seq in reversed(list(self.running)):
+            if len(self.running) < self.config.max_num_seqs and self.kv.num_free_blocks >= need_blocks:
+                break
+            if seq.priority == 0:
+                continue
+            self.running.remove(seq)
+            self._preempt(seq)
+            self.num_priority_preemptions += 1
+            victims.append(seq.request_id)
+        return victims
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
         """Apply a finished step: advance progress, append sampled tokens, stop. Returns finished sequences.
@@ -153,6 +215,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            seq.program.service_tokens += chunk.num_tokens
             token = sampled.get(seq.request_id)
             if token is not None:
                 seq.token_ids.append(token)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from sessionserve.core.priority import Program
 from sessionserve.core.sampling_params import SamplingParams
 
 
@@ -55,6 +56,9 @@ class Sequence:
     # Waiting for KV to come back from a lower tier: not schedulable yet.
     is_blocked: bool = False
     session_id: str | None = None
+    # Priority class rank (0 interactive, 1 batch) and the program (session) whose service it adds to.
+    priority: int = 0
+    program: Program = field(default_factory=Program)
     # Per generated token: {token_id: logprob} for the top-n, plus the chosen token.
     logprobs: list[dict[int, float]] | None = field(default=None)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from sessionserve.core.priority import Program
+
 
 class SessionState(Enum):
     IDLE = "idle"  # opened, no turn yet
@@ -73,6 +75,8 @@ class Session:
     is_prefetched: bool = False  # current device copy came from a prefetch (for hit accounting)
     request_id: str | None = None  # the running turn
     stats: SessionStats = field(default_factory=SessionStats)
+    # Service its turns received (tokens computed), for least-attained-service scheduling.
+    program: Program = field(default_factory=Program)
 
     @property
     def kv_key(self) -> str:

@@ -13,8 +13,15 @@ from dataclasses import fields
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.core.kv_mover import KVMover, MoveDone, MoveKind
-from sessionserve.core.residency import (ActionKind, MoveCosts, ParkedSession, ResidencyAction,
-                                         ResidencyPolicy, ResidencyView)
+from sessionserve.core.priority import priority_rank
+from sessionserve.core.residency import (
+    ActionKind,
+    MoveCosts,
+    ParkedSession,
+    ResidencyAction,
+    ResidencyPolicy,
+    ResidencyView,
+)
 from sessionserve.core.sequence import Sequence, SequenceStatus
 from sessionserve.core.session import Residency, Session, SessionState, SessionStats, Tier
 from sessionserve.core.wait_predictor import WaitPredictor
@@ -52,6 +59,7 @@ class SessionManager:
     def open(self, session_id: str, now_s: float, tenant: str = "", priority: str = "interactive") -> Session:
         if session_id in self.sessions:
             raise ValueError(f"session {session_id!r} already exists")
+        priority_rank(priority)  # ValueError for an unknown class
         if len(self.sessions) >= self.max_sessions:
             raise ValueError(f"too many open sessions (limit {self.max_sessions})")
         session = Session(session_id, tenant=tenant, priority=priority, opened_s=now_s, last_active_s=now_s)

@@ -102,7 +102,7 @@ class AsyncEngine:
 
     async def generate(self, prompt: list[int] | Callable[[LLMEngine], list[int]], params: SamplingParams,
                        request_id: str, session_id: str | None = None, salt: bytes = b"",
-                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+                       stream: bool = True, priority: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs (one per engine step it advanced) until it finishes.
 
         `prompt` may be a function of the engine, run in the engine thread
@@ -120,7 +120,8 @@ class AsyncEngine:
 
         def add(eng: LLMEngine) -> None:
             ids = prompt(eng) if callable(prompt) else prompt
-            eng.add_request(ids, params, request_id=request_id, stream=stream, salt=salt, session_id=session_id)
+            eng.add_request(ids, params, request_id=request_id, stream=stream, salt=salt, session_id=session_id,
+                            priority=priority)
             self._streams[request_id] = _Stream(loop, out_queue, request_id)
 
         await self.call(add)

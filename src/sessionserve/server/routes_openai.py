@@ -73,7 +73,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         return sid
 
     async def run(request: Request, prompt: list[int], params: SamplingParams, sid: str | None,
-                  priority: str) -> AsyncIterator[RequestOutput]:
+                  priority: str | None) -> AsyncIterator[RequestOutput]:
         tenant = request.state.tenant
         rid = f"{request.state.request_id}"
         key = session_key(tenant, sid) if sid else None
@@ -83,18 +83,27 @@ def register(app: FastAPI, state: ServerState) -> None:
                         1 for s in e.sessions if s.tenant == tenant) >= state.max_sessions_per_tenant:
                     raise P.OpenAIError(429, "Too many open sessions for this API key.", "rate_limit_error",
                                         code="too_many_sessions")
-                new, _ = continue_session(e, key, prompt, tenant, priority)
+                new, _ = continue_session(e, key, prompt, tenant, priority or "interactive")
                 return new
             source: Any = prepare
         else:
             source = prompt
         try:
-            async for out in state.bridge.generate(source, params, rid, session_id=key, salt=tenant_salt(tenant)):
+            async for out in state.bridge.generate(source, params, rid, session_id=key, salt=tenant_salt(tenant),
+                                                   priority=priority):
                 yield out
         except P.OpenAIError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
             raise engine_error(exc) from exc
+
+    def request_priority(request: Request, field: str | None) -> str | None:
+        """The body's `priority`, else the `X-Priority` header; None: the session's (or interactive)."""
+        value = field or request.headers.get("x-priority")
+        if value is not None and value not in ("interactive", "batch"):
+            raise P.OpenAIError(400, "priority must be 'interactive' or 'batch'.", "invalid_request_error",
+                                param="priority")
+        return value
 
     async def park(request: Request, sid: str | None, tool_names: list[str], expected_wait_s: float | None) -> None:
         if not sid or not tool_names:
@@ -148,7 +157,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         use_tools = bool(tools) and req.tool_choice != "none"
         tool_names = set(req.tool_names or ())
         created, cid, t0 = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", time.monotonic()
-        outputs = run(request, prompt, params, sid, req.priority or "interactive")
+        outputs = run(request, prompt, params, sid, request_priority(request, req.priority))
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

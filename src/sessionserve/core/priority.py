@@ -1,0 +1,85 @@
+"""Session-aware ordering: priority classes, least attained service per program, aging.
+
+Pure: no torch, no clock (`now_s` comes in), no I/O. The scheduler asks two
+questions of this module each step: in which order do sequences get the step's
+token budget and the free blocks, and which waiting sequence is urgent enough
+to preempt background work.
+
+- Priority classes: `interactive` (rank 0) before `batch` (rank 1).
+- Program-level fairness (after Autellix's PLAS): a *program* is an agent
+  session (all its turns) or a lone request. Within a class, programs that
+  have received less service (tokens computed for them so far, across all
+  their steps) go first, so a session with many short calls does not wait
+  behind one long one at every step. Service is bucketed into levels of
+  doubling size (`las_quantum_tokens` x 2^k); within a level, first come
+  first served.
+- Anti-starvation: a sequence that has waited `aging_s` moves up one class;
+  one that has waited `starvation_s` drops to the lowest service level. So
+  every sequence is eventually first in line.
+
+`fcfs` ignores all of this: arrival order, as a request-level server does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PRIORITY_CLASSES = ("interactive", "batch")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def priority_rank(name: str) -> int:
+    """0 for interactive, 1 for batch; ValueError for anything else."""
+    try:
+        return PRIORITY_CLASSES.index(name)
+    except ValueError:
+        raise ValueError(f"priority must be one of {', '.join(PRIORITY_CLASSES)}; got {name!r}") from None
+
+
+@dataclass(eq=False, slots=True)
+class Program:
+    """Service received by one program (a session's turns share one)."""
+
+    service_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityPolicy:
+    policy: str = "priority"
+    # Tokens of service in the first (highest) level; level k holds [q(2^k - 1), q(2^(k+1) - 1)).
+    las_quantum_tokens: int = 2048
+    # A waiting sequence moves up one class per `aging_s` waited.
+    aging_s: float = 5.0
+    # Waited this long: first service level, whatever it received before.
+    starvation_s: float = 30.0
+    # An interactive sequence waiting this long for memory or a batch slot preempts batch work.
+    preempt_after_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}; got {self.policy!r}")
+        if self.las_quantum_tokens < 1 or self.aging_s <= 0 or self.starvation_s <= 0 or self.preempt_after_s < 0:
+            raise ValueError("las_quantum_tokens >= 1, aging_s > 0, starvation_s > 0, preempt_after_s >= 0")
+
+    def service_level(self, service_tokens: int) -> int:
+        """0 for the first quantum of service, then one level per doubling."""
+        return int(math.log2(1 + service_tokens / self.las_quantum_tokens))
+
+    def effective_rank(self, rank: int, waited_s: float) -> int:
+        return max(0, rank - int(waited_s // self.aging_s))
+
+    def key(self, rank: int, service_tokens: int, arrival_s: float, now_s: float | None,
+            waiting_since_s: float | None = None) -> tuple[int, int, float]:
+        """Sort key, smaller first: (class after aging, service level, arrival)."""
+        if self.policy == "fcfs":
+            return (0, 0, arrival_s)
+        since = arrival_s if waiting_since_s is None else waiting_since_s
+        waited = 0.0 if now_s is None else max(0.0, now_s - since)
+        level = 0 if waited >= self.starvation_s else self.service_level(service_tokens)
+        return (self.effective_rank(rank, waited), level, arrival_s)
+
+    def is_urgent(self, rank: int, arrival_s: float, now_s: float | None) -> bool:
+        """An interactive sequence that has waited long enough to preempt batch work for."""
+        return (self.policy != "fcfs" and rank == 0 and now_s is not None
+                and now_s - arrival_s >= self.preempt_after_s)

@@ -1,0 +1,149 @@
+"""Session-aware scheduling: priority classes, least attained service, aging, preemption for SLOs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sessionserve.core.priority import PriorityPolicy, Program, priority_rank
+from sessionserve.core.sequence import SequenceStatus
+from tests.unit.core.utils import create_scheduler, create_seq, run_step
+
+INTERACTIVE, BATCH = 0, 1
+
+
+def test_policy_key_orders_class_then_service_level_then_arrival() -> None:
+    pol = PriorityPolicy(las_quantum_tokens=100, aging_s=10, starvation_s=60)
+    keys = {
+        "batch_new": pol.key(BATCH, 0, arrival_s=0.0, now_s=1.0),
+        "inter_heavy": pol.key(INTERACTIVE, 1000, arrival_s=0.5, now_s=1.0),
+        "inter_light_late": pol.key(INTERACTIVE, 50, arrival_s=0.9, now_s=1.0),
+        "inter_light_early": pol.key(INTERACTIVE, 10, arrival_s=0.1, now_s=1.0),
+    }
+    assert sorted(keys, key=keys.get) == ["inter_light_early", "inter_light_late", "inter_heavy", "batch_new"]
+    assert [pol.service_level(n) for n in (0, 99, 100, 299, 300, 700)] == [0, 0, 1, 1, 2, 3]
+
+
+def test_aging_promotes_batch_and_starvation_resets_service() -> None:
+    pol = PriorityPolicy(las_quantum_tokens=100, aging_s=10, starvation_s=60)
+    assert pol.key(BATCH, 0, 0.0, now_s=9.9)[0] == 1
+    assert pol.key(BATCH, 0, 0.0, now_s=10.0)[0] == 0
+    assert pol.key(INTERACTIVE, 10_000, 0.0, now_s=59.0)[1] > 0
+    assert pol.key(INTERACTIVE, 10_000, 0.0, now_s=60.0)[1] == 0
+    assert pol.key(BATCH, 0, 0.0, now_s=None)[0] == 1  # no clock: no aging
+
+
+def test_fcfs_is_arrival_order_only() -> None:
+    pol = PriorityPolicy(policy="fcfs")
+    assert pol.key(BATCH, 10**6, 1.0, 5.0) < pol.key(INTERACTIVE, 0, 2.0, 5.0)
+    assert not pol.is_urgent(INTERACTIVE, 0.0, 100.0)
+
+
+def test_bad_policy_values_raise() -> None:
+    with pytest.raises(ValueError):
+        PriorityPolicy(policy="lifo")
+    with pytest.raises(ValueError):
+        PriorityPolicy(aging_s=0)
+    with pytest.raises(ValueError):
+        priority_rank("urgent")
+
+
+def test_interactive_is_admitted_before_earlier_batch() -> None:
+    sched = create_scheduler(max_num_batched_tokens=16)
+    batch = create_seq(12, priority=BATCH, arrival_s=0.0)
+    inter = create_seq(12, priority=INTERACTIVE, arrival_s=1.0)
+    sched.add(batch)
+    sched.add(inter)
+    plan, _ = run_step(sched, now_s=1.0)
+    assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(inter, 12), (batch, 4)]
+
+
+def test_fcfs_admits_in_arrival_order() -> None:
+    sched = create_scheduler(max_num_batched_tokens=16, scheduling_policy="fcfs")
+    batch = create_seq(12, priority=BATCH, arrival_s=0.0)
+    inter = create_seq(12, priority=INTERACTIVE, arrival_s=1.0)
+    sched.add(batch)
+    sched.add(inter)
+    plan, _ = run_step(sched, now_s=1.0)
+    assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(batch, 12), (inter, 4)]
+
+
+def test_running_batch_prefill_yields_budget_to_waiting_interactive() -> None:
+    sched = create_scheduler(max_num_batched_tokens=16)
+    batch = create_seq(60, priority=BATCH)
+    sched.add(batch)
+    run_step(sched, now_s=0.0)  # batch mid-prefill: 16 of 60
+    inter = create_seq(10, priority=INTERACTIVE, arrival_s=0.1)
+    sched.add(inter)
+    plan, _ = run_step(sched, now_s=0.1)
+    assert [(c.seq, c.start, c.num_tokens) for c in plan.chunks] == [(inter, 0, 10), (batch, 16, 6)]
+
+
+def test_light_program_goes_before_heavy_one_of_same_class() -> None:
+    sched = create_scheduler(max_num_batched_tokens=8, las_quantum_tokens=16)
+    heavy, light = Program(service_tokens=500), Program(service_tokens=3)
+    first = create_seq(8, arrival_s=0.0, program=heavy)
+    second = create_seq(8, arrival_s=1.0, program=light)
+    sched.add(first)
+    sched.add(second)
+    plan, _ = run_step(sched, now_s=1.0)
+    assert [c.seq for c in plan.chunks] == [second]
+    assert light.service_tokens == 3 + 8  # service is charged to the program
+
+
+def test_urgent_interactive_preempts_batch_only_after_threshold() -> None:
+    # 8 blocks of 4 tokens: two batch sequences hold all of them.
+    sched = create_scheduler(num_blocks=8, max_num_batched_tokens=64, preempt_after_s=0.5, prefix=False)
+    b1, b2 = create_seq(15, max_tokens=50, priority=BATCH), create_seq(15, max_tokens=50, priority=BATCH)
+    sched.add(b1)
+    sched.add(b2)
+    run_step(sched, now_s=0.0)
+    inter = create_seq(12, priority=INTERACTIVE, arrival_s=0.1)
+    sched.add(inter)
+    plan, _ = run_step(sched, now_s=0.3)  # waited 0.2 s: not yet urgent
+    assert inter not in [c.seq for c in plan.chunks] and not plan.preempted
+    plan, _ = run_step(sched, now_s=0.7)  # waited 0.6 s: preempt the last batch sequence
+    assert plan.preempted == (b2.request_id,)
+    assert [c.seq for c in plan.chunks] == [b1, inter]
+    assert b2.status is SequenceStatus.WAITING and b2.num_computed_tokens == 0
+    assert sched.num_priority_preemptions == 1
+    sched.kv.check_integrity()
+
+
+def test_urgent_interactive_never_preempts_interactive() -> None:
+    sched = create_scheduler(num_blocks=8, max_num_batched_tokens=64, preempt_after_s=0.0, prefix=False)
+    a, b = create_seq(15, max_tokens=50), create_seq(15, max_tokens=50)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched, now_s=0.0)
+    late = create_seq(12, arrival_s=0.1)
+    sched.add(late)
+    plan, _ = run_step(sched, now_s=5.0)
+    assert not plan.preempted and late not in [c.seq for c in plan.chunks]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), policy=st.sampled_from(["priority", "fcfs"]))
+def test_no_sequence_starves_and_no_block_leaks(seed: int, policy: str) -> None:
+    """Random mixed arrivals under memory pressure: everything finishes, within a bound, blocks all return."""
+    rng = random.Random(seed)
+    sched = create_scheduler(num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                             scheduling_policy=policy, aging_s=2.0, starvation_s=6.0, preempt_after_s=0.5,
+                             las_quantum_tokens=16, prefix=False)
+    programs = [Program() for _ in range(5)]
+    seqs, now, step = [], 0.0, 0
+    while step < 3000 and (len(seqs) < 60 or sched.num_unfinished):
+        if len(seqs) < 60 and rng.random() < 0.3:
+            seq = create_seq(rng.randint(1, 30), max_tokens=rng.randint(1, 20), priority=rng.randint(0, 1),
+                             arrival_s=now, program=rng.choice(programs))
+            sched.add(seq)
+            seqs.append(seq)
+        run_step(sched, now_s=now)
+        now += 0.1
+        step += 1
+    assert all(s.is_finished for s in seqs), "a sequence starved"
+    assert sched.kv.num_free_blocks == 24
+    sched.kv.check_integrity()
