@@ -134,6 +134,8 @@ class EngineReplica:
         if key and before is not None and before.owner != self.replica_id:
             self.counters.num_sessions_adopted += 1
             self.counters.num_tokens_recomputed += len(before.token_ids)
+        if key:
+            await self._wait_until_settled(key)
         status, headers, chunks = 500, [], []
         async for msg in asgi_call(self.app, req):
             if msg["type"] == "http.response.start":
@@ -156,6 +158,20 @@ class EngineReplica:
         if not req.is_stream:
             yield {"status": status, "headers": headers}
             yield body
+
+    async def _wait_until_settled(self, key: str, timeout_s: float = 5.0) -> None:
+        """Let a move of the session's KV (offload or restore) finish before its next turn arrives.
+
+        NOTE: a turn whose history the client rewrote cannot cut a moving session and fails busy; a
+        session that keeps coming back to its replica (affinity) is often mid-offload when it does.
+        """
+        def moving(eng: Any) -> bool:
+            s = eng.get_session(key)
+            return s is not None and s.residency.value in ("offloading", "restoring")
+
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while await self.bridge.call(moving) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
 
     async def _after(self, req: RoutedRequest, key: str | None, before: SessionRecord | None,
                      response: bytes | None) -> bool:
