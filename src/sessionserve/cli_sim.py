@@ -125,20 +125,26 @@ def run_simulate(args: argparse.Namespace) -> Path:
 
 def _vs_real(args: argparse.Namespace, trace: Any, policies: list[str], loads: list[Any], kwargs: dict[str, Any],
              profile: Any, sim_runs: Any, out: Path) -> None:
+    """Real runs of the same workload; the simulation with `profile` and with step costs fitted online."""
     from sessionserve.model.make_model import ensure_model
-    from sessionserve.sim.fidelity import compare_runs, render_table
-    from sessionserve.workload.sweep import run_inproc, warm_up
+    from sessionserve.sim.fidelity import compare_runs, render_table, run_fidelity_online
 
     model_dir = Path(args.model) if args.model else ensure_model("llama", args.model_size)
-    warm_up(model_dir, {**kwargs, "residency_policy": policies[0]}, args.seed)
     t0 = time.monotonic()
-    real = run_inproc(trace, policies, loads, model_dir, kwargs, seed=args.seed, hint_waits=args.hint_waits)
+    real, _online_sim, online_rows, online = run_fidelity_online(trace, policies, loads, model_dir, kwargs, profile,
+                                                                 seed=args.seed)
     rows = compare_runs(real, sim_runs)
-    table = render_table(rows)
-    (out / "fidelity.md").write_text(f"# Simulated vs real\n\nReal runs took {time.monotonic() - t0:.0f} s.\n\n"
-                                     + table)
-    (out / "fidelity.json").write_text(json.dumps(rows, indent=1) + "\n")
-    print("\nsim vs real (same trace, policies, loads, engine settings):\n" + table)
+    s = online.step
+    text = (f"# Simulated vs real\n\nReal runs (bench harness, in-process) took {time.monotonic() - t0:.0f} s.\n\n"
+            f"## Simulated with the profile {profile.label}\n\n{render_table(rows)}\n"
+            f"## Simulated with step costs fitted on the real runs' own steps (online)\n\n"
+            f"step = {s.overhead_s * 1e3:.3f} ms + {s.per_seq_s * 1e6:.1f} us/seq + {s.per_token_s * 1e6:.2f} us/token "
+            f"+ {s.per_attn_s * 1e9:.3f} ns/pair; fit error median {100 * online.fit['rel_error_median']:.1f}%\n\n"
+            f"{render_table(online_rows)}")
+    (out / "fidelity.md").write_text(text)
+    (out / "fidelity.json").write_text(json.dumps({"profile": rows, "online": online_rows,
+                                                   "online_step": online.to_dict()["step"]}, indent=1) + "\n")
+    print("\n" + text)
 
 
 # -- plan -----------------------------------------------------------------------------------------

@@ -65,6 +65,42 @@ class _Recorder:
         return self.inner.execute(plan)
 
 
+class StepRecorder:
+    """Records (shape, seconds) of the steps with work of a live `LLMEngine` (e.g. during a bench replay).
+
+    `attach` wraps the engine's executor and its `step` method in place; the engine behaves as before. The
+    seconds of a step are start to the next step's start, for a step followed at once by another step with
+    work: everything the serving loop spends per step (scheduling, the loop's hop, the threads' share of
+    the CPU), which is what the simulator's clock must advance by. Fitting these samples calibrates on the
+    very run being compared ("online" calibration).
+    """
+
+    def __init__(self) -> None:
+        self.shapes: list[StepShape] = []
+        self.seconds: list[float] = []
+
+    def attach(self, engine: Any) -> None:
+        rec = _Recorder(engine.core.executor)
+        engine.core.executor = rec
+        inner_step = engine.step
+        prev: list[Any] = [None]  # (shape, start) of the previous step with work
+
+        def step() -> Any:
+            rec.last = None
+            t0 = time.perf_counter()
+            out = inner_step()
+            if rec.last is None:
+                prev[0] = None
+                return out
+            if prev[0] is not None:
+                self.shapes.append(prev[0][0])
+                self.seconds.append(t0 - prev[0][1])
+            prev[0] = (rec.last, t0)
+            return out
+
+        engine.step = step
+
+
 def features(shape: StepShape) -> list[float]:
     return [1.0, float(shape.num_seqs), float(shape.num_tokens), float(shape.num_attn_pairs)]
 

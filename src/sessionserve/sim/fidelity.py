@@ -61,3 +61,48 @@ def render_table(rows: Sequence[dict[str, Any]]) -> str:
         err = "–" if r["rel_error"] is None else f"{100 * r['rel_error']:+.1f}%"
         lines.append(f"| {r['policy']} | {r['load']} | {r['figure']} | {f(r['real'])} | {f(r['sim'])} | {err} |")
     return "\n".join(lines) + "\n"
+
+
+def run_real_recorded(trace: TraceSet, policies: Sequence[str], loads: Sequence[LoadSpec], model_dir: str | Path,
+                      engine_kwargs: dict[str, Any], *, seed: int = 0) -> tuple[Runs, Any]:
+    """`run_inproc`, with a `StepRecorder` on every engine: the real runs and their step samples."""
+    import asyncio
+
+    from sessionserve.config import Config
+    from sessionserve.llm_engine import LLMEngine
+    from sessionserve.sim.calibrate import StepRecorder
+    from sessionserve.workload.replay import InprocBackend, replay
+
+    recorder = StepRecorder()
+    runs: Runs = {p: [] for p in policies}
+    for load in loads:
+        for policy in policies:
+            eng = LLMEngine(Config.from_kwargs(residency_policy=policy, **engine_kwargs), model_dir)
+            recorder.attach(eng)
+            try:
+                runs[policy].append(asyncio.run(replay(InprocBackend(eng), trace.sessions, load, seed=seed)))
+            finally:
+                eng.close()
+    return runs, recorder
+
+
+def run_fidelity_online(trace: TraceSet, policies: Sequence[str], loads: Sequence[LoadSpec],
+                        model_dir: str | Path, engine_kwargs: dict[str, Any], base: CostProfile, *, seed: int = 0
+                        ) -> tuple[Runs, Runs, list[dict[str, Any]], CostProfile]:
+    """Real runs first, step costs fitted on their own steps (same machine load), then the simulation.
+
+    On a shared machine whose speed drifts minute to minute, this separates the simulator's error (batching,
+    queueing, waits, policies) from the drift between a calibration and a later run. `base` gives the model
+    shape and copy bandwidths.
+    """
+    from sessionserve.sim.calibrate import fit_step_cost
+    from sessionserve.sim.runs import run_sim
+    from sessionserve.workload.sweep import warm_up
+
+    warm_up(model_dir, {**engine_kwargs, "residency_policy": policies[0]}, seed)
+    real, recorder = run_real_recorded(trace, policies, loads, model_dir, engine_kwargs, seed=seed)
+    cost, fit = fit_step_cost(recorder.shapes, recorder.seconds)  # step-to-step times: the loop's hop included
+    profile = base.with_(step=cost, fit={**fit, "method": "online: fitted on the compared runs' steps"},
+                         name=f"{base.name} (online)")
+    sim = run_sim(trace, policies, loads, profile, engine_kwargs, seed=seed)
+    return real, sim, compare_runs(real, sim), profile
