@@ -146,7 +146,7 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> Config:
-        """Build a Config from flat keyword arguments (`block_size=16, compile=False`).
+        """Build a Config from flat keyword arguments (`block_size=16, num_threads=2`).
 
         Each name must belong to exactly one sub-config; unknown names raise.
         """

@@ -15,7 +15,7 @@ from sessionserve.workload.results import build_results
 from sessionserve.workload.sweep import run_inproc
 from sessionserve.workload.trace import AgentSession, Step, ToolCall, TraceSet
 
-ENGINE = dict(kv_cache_bytes=2 << 20, host_kv_bytes=8 << 20, compile=False, num_threads=1, max_num_seqs=8,
+ENGINE = dict(kv_cache_bytes=2 << 20, host_kv_bytes=8 << 20, num_threads=1, max_num_seqs=8,
               max_num_batched_tokens=256)
 
 

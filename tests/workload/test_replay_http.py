@@ -20,7 +20,7 @@ from tests.server.conftest import run_app
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = mm.ensure_model("llama", "tiny", tmp_path_factory.mktemp("model-cache"))
-    engine = LLMEngine(Config.from_kwargs(num_blocks=256, compile=False, num_threads=1, host_kv_bytes=0), model)
+    engine = LLMEngine(Config.from_kwargs(num_blocks=256, num_threads=1, host_kv_bytes=0), model)
     with run_app(create_app(engine, model_name="tiny")) as base:
         yield base
 

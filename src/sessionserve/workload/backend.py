@@ -39,8 +39,8 @@ class Backend(Protocol):
     async def stop(self) -> None:
         """Release what `start` took; outstanding requests are abandoned."""
 
-    async def open_session(self, session_id: str) -> None:
-        """Begin a session with an empty context."""
+    async def open_session(self, session_id: str, priority: str = "interactive") -> None:
+        """Begin a session with an empty context, in scheduling class `priority` (interactive | batch)."""
 
     async def generate(self, session_id: str, step_index: int, new_token_ids: list[int], max_tokens: int,
                        context_kept_tokens: int | None = None) -> StepResult:

@@ -60,10 +60,10 @@ class HttpBackend:
         if self._client is not None:
             await self._client.aclose()
 
-    async def open_session(self, session_id: str) -> None:
+    async def open_session(self, session_id: str, priority: str = "interactive") -> None:
         self._history[session_id] = []
         if self.supports_sessions:
-            r = await self._client.post("/v1/sessions", json={"session_id": session_id})
+            r = await self._client.post("/v1/sessions", json={"session_id": session_id, "priority": priority})
             r.raise_for_status()
 
     async def generate(self, session_id: str, step_index: int, new_token_ids: list[int], max_tokens: int,

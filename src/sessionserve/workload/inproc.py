@@ -39,6 +39,7 @@ class InprocBackend:
         self._ops: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._waiters: dict[str, asyncio.Future] = {}
         self._engine_ids: dict[str, str] = {}  # trace session id -> current engine session id
+        self._priority: dict[str, str] = {}  # trace session id -> scheduling class
         self._stats: dict[str, dict[str, float]] = {}  # counters of engine sessions already closed
         self._num_resets = 0
         self._busy_s = 0.0
@@ -112,8 +113,9 @@ class InprocBackend:
 
     # -- sessions -------------------------------------------------------------------------------
 
-    async def open_session(self, session_id: str) -> None:
-        self._engine_ids[session_id] = await self._call(lambda: self.engine.open_session(session_id))
+    async def open_session(self, session_id: str, priority: str = "interactive") -> None:
+        self._priority[session_id] = priority
+        self._engine_ids[session_id] = await self._call(lambda: self.engine.open_session(session_id, priority=priority))
         self._stats[session_id] = {}
 
     def _add(self, session_id: str, new_ids: list[int], max_tokens: int, kept: int | None) -> asyncio.Future:
@@ -128,7 +130,7 @@ class InprocBackend:
             self._fold_stats(session_id, esid)
             eng.close_session(esid)
             self._num_resets += 1
-            esid = eng.open_session(f"{session_id}#{self._num_resets}")
+            esid = eng.open_session(f"{session_id}#{self._num_resets}", priority=self._priority[session_id])
             self._engine_ids[session_id] = esid
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         rid = eng.add_request(new_ids, params, session_id=esid)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,6 @@ def load_trace(name_or_path: str | Path, *, traces_dir: str | Path | None = None
         return parts[0]
     sessions: list[AgentSession] = []
     for f, part in zip(files, parts):
-        sessions += [AgentSession(f"{f.stem}/{s.session_id}", s.steps, s.arrival_s, s.source, s.meta)
-                     for s in part.sessions]
+        sessions += [replace(s, session_id=f"{f.stem}/{s.session_id}") for s in part.sessions]
     prov = parts[0].provenance + (f"Merged {len(files)} files: {', '.join(f.name for f in files)}.",)
     return TraceSet(files[0].parent.name, tuple(sessions[:max_sessions]), token_scale, time_scale, prov)

@@ -77,6 +77,7 @@ class SessionRecord:
     total_wait_s: float = 0.0  # tool/human waits slept
     error: str | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    priority: str = "interactive"  # the session's scheduling class
 
     @property
     def jct_s(self) -> float | None:
@@ -132,10 +133,10 @@ async def replay(backend: Backend, sessions: Sequence[AgentSession], load: LoadS
         return time.monotonic() - t_start
 
     async def run_session(trace: AgentSession, arrival_s: float) -> None:
-        rec = SessionRecord(trace.session_id, arrival_s, now())
+        rec = SessionRecord(trace.session_id, arrival_s, now(), priority=trace.priority)
         records.append(rec)
         try:
-            await backend.open_session(trace.session_id)
+            await backend.open_session(trace.session_id, trace.priority)
             for k, step in enumerate(trace.steps):
                 ids = builder.step_tokens(trace.session_id, k, step)
                 start_s = now()

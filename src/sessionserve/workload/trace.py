@@ -23,6 +23,8 @@ synthesised (reports print it). On disk: JSONL, see `trace_io.py`.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 SCHEMA_VERSION = 1
@@ -66,6 +68,7 @@ class AgentSession:
     arrival_s: float | None = None  # None: the replay driver sets arrivals
     source: str = ""
     meta: dict = field(default_factory=dict)
+    priority: str = "interactive"  # "interactive" | "batch": the session's scheduling class
 
     @property
     def num_tokens(self) -> int:
@@ -116,7 +119,7 @@ def scale_session(session: AgentSession, token_scale: float, time_scale: float) 
         context_kept_tokens=None if s.context_kept_tokens is None else round(s.context_kept_tokens / token_scale))
         for s in session.steps)
     arrival = None if session.arrival_s is None else session.arrival_s / time_scale
-    return AgentSession(session.session_id, steps, arrival, session.source, session.meta)
+    return replace(session, steps=steps, arrival_s=arrival)
 
 
 def truncate_session(session: AgentSession, max_steps: int) -> AgentSession:
@@ -124,4 +127,18 @@ def truncate_session(session: AgentSession, max_steps: int) -> AgentSession:
         return session
     steps = session.steps[:max_steps]
     steps = steps[:-1] + (replace(steps[-1], tool_calls=(), wait_kind="end"),)
-    return AgentSession(session.session_id, steps, session.arrival_s, session.source, session.meta)
+    return replace(session, steps=steps)
+
+
+def with_batch_fraction(sessions: Sequence[AgentSession], fraction: float, seed: int) -> tuple[AgentSession, ...]:
+    """The sessions with a `fraction` of them (chosen by `seed`, whatever their order) marked `batch`.
+
+    Real traces carry no priority class; a mixed workload is the trace with
+    some sessions declared background, as an operator would run them.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"batch fraction must be in [0, 1], got {fraction}")
+    ranked = sorted(sessions, key=lambda s: hashlib.blake2b(f"{seed}:{s.session_id}".encode(),
+                                                            digest_size=8).digest())
+    batch = {id(s) for s in ranked[:round(fraction * len(sessions))]}
+    return tuple(replace(s, priority="batch" if id(s) in batch else "interactive") for s in sessions)

@@ -2,12 +2,12 @@
 
     {"format": "sessionserve.agent_trace", "version": 1, "name": ..., "token_scale": ..., "time_scale": ...,
      "provenance": [...]}
-    {"session_id": "s1", "arrival_s": null, "source": "...", "meta": {},
+    {"session_id": "s1", "arrival_s": null, "source": "...", "meta": {}, "priority": "interactive",
      "steps": [{"new_input_tokens": 900, "output_tokens": 120, "wait_kind": "tool",
                 "tool_calls": [{"name": "Bash", "duration_s": 0.4, "group": 0}],
                 "prefix_block_ids": [0, 1], "prefix_block_tokens": 64, "context_kept_tokens": null}, ...]}
 
-Optional step keys may be left out (their defaults apply). A reader refuses a
+Optional keys (a session's `priority`, a step's prefix and kept-context fields) may be left out (their defaults apply). A reader refuses a
 newer `version` than it knows, so an old harness never misreads a new trace.
 """
 
@@ -46,14 +46,18 @@ def step_from_dict(d: dict[str, Any]) -> Step:
 
 
 def session_to_dict(session: AgentSession) -> dict[str, Any]:
-    return {"session_id": session.session_id, "arrival_s": session.arrival_s, "source": session.source,
-            "meta": session.meta, "steps": [step_to_dict(s) for s in session.steps]}
+    d = {"session_id": session.session_id, "arrival_s": session.arrival_s, "source": session.source,
+         "meta": session.meta, "steps": [step_to_dict(s) for s in session.steps]}
+    if session.priority != "interactive":
+        d["priority"] = session.priority
+    return d
 
 
 def session_from_dict(d: dict[str, Any]) -> AgentSession:
     arrival = d.get("arrival_s")
     return AgentSession(str(d["session_id"]), tuple(step_from_dict(s) for s in d["steps"]),
-                        None if arrival is None else float(arrival), str(d.get("source", "")), dict(d.get("meta", {})))
+                        None if arrival is None else float(arrival), str(d.get("source", "")), dict(d.get("meta", {})),
+                        str(d.get("priority", "interactive")))
 
 
 def write_jsonl(trace: TraceSet, path: str | Path) -> Path:

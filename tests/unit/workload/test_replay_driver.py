@@ -25,7 +25,7 @@ class FakeBackend:
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
 
-    async def open_session(self, session_id: str) -> None:
+    async def open_session(self, session_id: str, priority: str = "interactive") -> None:
         self.open.add(session_id)
         self.max_open = max(self.max_open, len(self.open))
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sessionserve.workload.trace import SCHEMA_VERSION, AgentSession, Step, ToolCall, TraceSet
+from sessionserve.workload.trace import SCHEMA_VERSION, AgentSession, Step, ToolCall, TraceSet, with_batch_fraction
 from sessionserve.workload.trace_io import is_agent_jsonl, read_jsonl, write_jsonl
 
 
@@ -18,7 +18,7 @@ def make_trace() -> TraceSet:
         Step(20, 5, (ToolCall("user", 30.0),), "human", context_kept_tokens=40),
         Step(3, 2, (), "end"),
     ), arrival_s=1.5, source="test", meta={"k": 1})
-    s2 = AgentSession("b", (Step(7, 1, (), "end"),))
+    s2 = AgentSession("b", (Step(7, 1, (), "end"),), priority="batch")
     return TraceSet("unit", (s1, s2), token_scale=4.0, time_scale=2.0, provenance=("made by hand",))
 
 
@@ -61,3 +61,15 @@ def test_scaled_and_truncated() -> None:
     assert b.arrival_s == pytest.approx(1.5 / 4)
     cut = trace.truncated(2).sessions[0]
     assert len(cut.steps) == 2 and cut.steps[-1].wait_kind == "end" and cut.steps[-1].wait_s == 0
+
+
+def test_batch_fraction_is_deterministic_and_order_free() -> None:
+    sessions = tuple(AgentSession(f"s{i}", (Step(5, 1, (), "end"),)) for i in range(40))
+    marked = with_batch_fraction(sessions, 0.25, seed=3)
+    batch = {s.session_id for s in marked if s.priority == "batch"}
+    assert len(batch) == 10
+    assert {s.session_id for s in with_batch_fraction(sessions[::-1], 0.25, seed=3) if s.priority == "batch"} == batch
+    assert {s.session_id for s in with_batch_fraction(sessions, 0.25, seed=4) if s.priority == "batch"} != batch
+    assert [s.session_id for s in marked] == [s.session_id for s in sessions]
+    with pytest.raises(ValueError):
+        with_batch_fraction(sessions, 1.5, seed=0)

@@ -1,0 +1,159 @@
+"""Interactive and background agents on one engine: FCFS vs session-aware scheduling, side by side.
+
+Replays real Claude Code sessions (../shared/traces/weka_claude_code) with a
+fixed fraction of them (chosen by the seed) declared `batch` and the rest
+`interactive`, through the in-process engine on the embedded `small` model,
+once per scheduling policy on a fresh engine, alternating policies and
+repeating. Reports, per policy: interactive step latency and time to first
+token (p50/p99), background output tokens per second, and ratios to FCFS.
+
+    .venv/bin/python bench/scheduling.py                       # defaults recorded in bench/RESULTS.md
+    .venv/bin/python bench/scheduling.py --repeats 1 --sessions 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from sessionserve.config import Config
+from sessionserve.llm_engine import LLMEngine
+from sessionserve.model.make_model import ensure_model
+from sessionserve.workload.inproc import InprocBackend
+from sessionserve.workload.loader import load_trace
+from sessionserve.workload.metrics import percentile
+from sessionserve.workload.replay import LoadSpec, ReplayResult, replay
+from sessionserve.workload.sweep import warm_up
+from sessionserve.workload.trace import with_batch_fraction
+
+
+def class_metrics(result: ReplayResult) -> dict[str, Any]:
+    """Per scheduling class: step latency / TTFT percentiles, output tokens per second of the run."""
+    klass = {r.session_id: r.priority for r in result.sessions}
+    out: dict[str, Any] = {"makespan_s": result.makespan_s,
+                           "failed_sessions": sum(1 for r in result.sessions if r.error)}
+    for name in ("interactive", "batch"):
+        steps = [s for s in result.steps if klass.get(s.session_id) == name]
+        lat = [s.result.latency_s for s in steps]
+        ttft = [s.result.ttft_s for s in steps if s.result.ttft_s is not None]
+        tokens = sum(len(s.result.output_token_ids) for s in steps)
+        done = [r for r in result.sessions if r.priority == name and r.end_s is not None]
+        out[name] = {"steps": len(steps), "sessions_done": len(done),
+                     "step_p50_s": percentile(lat, 0.5), "step_p99_s": percentile(lat, 0.99),
+                     "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+                     "output_tok_per_s": tokens / result.makespan_s if result.makespan_s else None,
+                     "last_done_s": max((r.end_s for r in done), default=None)}
+    return out
+
+
+def run_once(policy: str, sessions: Any, model_dir: Path, engine_kwargs: dict[str, Any], concurrency: int,
+             seed: int) -> dict[str, Any]:
+    eng = LLMEngine(Config.from_kwargs(scheduling_policy=policy, **engine_kwargs), model_dir)
+    try:
+        result = asyncio.run(replay(InprocBackend(eng), sessions, LoadSpec("closed", concurrency), seed=seed))
+        eng.kv.check_integrity()
+        metrics = class_metrics(result)
+        metrics["leaked_blocks"] = eng.kv.pool.num_used_blocks
+        metrics["preemptions"] = eng.core.scheduler.num_preemptions
+        metrics["priority_preemptions"] = eng.core.scheduler.num_priority_preemptions
+        return metrics
+    finally:
+        eng.close()
+
+
+def _med(runs: list[dict[str, Any]], klass: str, key: str) -> tuple[float | None, float | None]:
+    vals = [r[klass][key] for r in runs if r[klass][key] is not None]
+    return (min(vals), statistics.median(vals)) if vals else (None, None)
+
+
+def markdown(results: dict[str, list[dict[str, Any]]], settings: dict[str, Any]) -> str:
+    lines = ["| policy | interactive step p50 s | interactive step p99 s (min / median) | interactive TTFT p99 s "
+             "| batch output tok/s (min / median) | batch sessions done | priority preemptions |",
+             "|---|---|---|---|---|---|---|"]
+    base = results.get("fcfs")
+    for policy, runs in results.items():
+        p50 = _med(runs, "interactive", "step_p50_s")[1]
+        p99 = _med(runs, "interactive", "step_p99_s")
+        ttft = _med(runs, "interactive", "ttft_p99_s")[1]
+        btp = _med(runs, "batch", "output_tok_per_s")
+        done = statistics.median(r["batch"]["sessions_done"] for r in runs)
+        pre = statistics.median(r["priority_preemptions"] for r in runs)
+        lines.append(f"| {policy} | {p50:.2f} | {p99[0]:.2f} / **{p99[1]:.2f}** | {ttft:.2f} | "
+                     f"{btp[0]:.1f} / **{btp[1]:.1f}** | {done:g} | {pre:g} |")
+    if base is not None and "priority" in results:
+        b99, o99 = _med(base, "interactive", "step_p99_s")[1], _med(results["priority"], "interactive", "step_p99_s")[1]
+        btp_b, btp_o = _med(base, "batch", "output_tok_per_s")[1], _med(results["priority"], "batch", "output_tok_per_s")[1]
+        lines.append("")
+        lines.append(f"Interactive p99 step latency, FCFS / priority: **{b99 / o99:.2f}x** lower with priority; "
+                     f"background throughput, priority / FCFS: **{btp_o / btp_b:.2f}x** (medians).")
+    lines.append("")
+    lines.append("Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default="weka_claude_code")
+    p.add_argument("--sessions", type=int, default=24)
+    p.add_argument("--max-steps", type=int, default=6)
+    p.add_argument("--batch-fraction", type=float, default=0.5)
+    p.add_argument("--token-scale", type=float, default=128.0)
+    p.add_argument("--time-scale", type=float, default=10.0)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--policies", default="fcfs,priority")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--model-size", default="small", choices=("tiny", "small"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device-kv-bytes", type=int, default=96 << 20)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "bench" / "out" / "scheduling"))
+    a = p.parse_args()
+
+    trace = load_trace(a.trace, token_scale=a.token_scale, time_scale=a.time_scale, max_sessions=a.sessions,
+                       max_steps=a.max_steps, seed=a.seed)
+    sessions = with_batch_fraction(trace.sessions, a.batch_fraction, a.seed)
+    model_dir = ensure_model("llama", a.model_size)
+    engine_kwargs = dict(kv_cache_bytes=a.device_kv_bytes, host_kv_bytes=2 << 30, num_threads=a.threads,
+                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                         residency_policy="predictive")
+    warm_up(model_dir, engine_kwargs, a.seed)
+    policies = [x.strip() for x in a.policies.split(",") if x.strip()]
+    results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for rep in range(a.repeats):
+        order = policies if rep % 2 == 0 else list(reversed(policies))  # alternate: neither always runs first
+        for policy in order:
+            t0 = time.monotonic()
+            results[policy].append(run_once(policy, sessions, model_dir, engine_kwargs, a.concurrency, a.seed))
+            r = results[policy][-1]
+            print(f"[scheduling] repeat {rep + 1} {policy}: {time.monotonic() - t0:.0f} s, interactive p99 "
+                  f"{r['interactive']['step_p99_s']:.2f} s, batch {r['batch']['output_tok_per_s']:.1f} tok/s",
+                  flush=True)
+    settings = {"trace": a.trace, "sessions": len(sessions), "batch_fraction": a.batch_fraction,
+                "tokens/": a.token_scale, "waits/": a.time_scale, "agents": a.concurrency,
+                "model": a.model_size, "threads": a.threads, "device_kv_MiB": a.device_kv_bytes >> 20,
+                "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+                "repeats": a.repeats, "seed": a.seed, "started": started, "machine": platform.processor() or
+                platform.machine()}
+    md = markdown(results, settings)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scheduling.json").write_text(json.dumps({"settings": settings, "results": results}, indent=1))
+    (out / "scheduling.md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
