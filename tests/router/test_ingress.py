@@ -87,3 +87,16 @@ def test_asgi_call_streams_an_app_response() -> None:
     assert msgs[0]["type"] == "http.response.start" and msgs[0]["status"] == 200
     assert (b"x-n", b"3") in msgs[0]["headers"]
     assert b"".join(m.get("body", b"") for m in msgs[1:]) == b"abc"
+
+
+def test_busy_retry_detects_only_a_moving_session_before_output() -> None:
+    from sessionserve.router.replica import _has_output, _is_moving_busy
+
+    role = b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+    token = b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n'
+    busy = (b'data: {"error": {"message": "session \'t/s\' is being moved; retry", "code": "session_busy"}}\n\n'
+            b"data: [DONE]\n\n")
+    assert not _has_output(role) and _has_output(token) and not _has_output(busy)
+    assert _is_moving_busy(200, role + busy) and _is_moving_busy(409, busy)
+    assert not _is_moving_busy(409, b'{"error": {"message": "already has a turn running", "code": "session_busy"}}')
+    assert not _is_moving_busy(500, busy)

@@ -35,6 +35,17 @@ from sessionserve.router.store import SessionRecord, make_store
 logger = logging.getLogger(__name__)
 
 TURN_PATHS = ("/v1/chat/completions", "/v1/completions")
+MAX_BUSY_RETRIES = 3  # a turn that finds its session's KV mid-move is run again this many times
+
+
+def _has_output(chunk: bytes) -> bool:
+    """An SSE chunk that carries generated output (not chat's opening role chunk, not an error)."""
+    return b'"choices"' in chunk and b'"role"' not in chunk and b'"error"' not in chunk
+
+
+def _is_moving_busy(status: int, body: bytes) -> bool:
+    """The engine refused the turn because the session's KV is being moved (it says: retry)."""
+    return (status == 409 or status == 200) and b"session_busy" in body and b"being moved" in body
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,7 @@ class ReplicaCounters:
     num_sessions_adopted: int = 0  # turns of sessions another replica (or none) held before
     num_tokens_recomputed: int = 0  # history tokens those adopted sessions prefilled here again
     num_store_conflicts: int = 0  # turns that lost the compare-and-set
+    num_busy_retries: int = 0  # turns run again because the session's KV was mid-move
     num_sessions_released: int = 0  # sessions handed back on drain
 
 
@@ -134,19 +146,36 @@ class EngineReplica:
         if key and before is not None and before.owner != self.replica_id:
             self.counters.num_sessions_adopted += 1
             self.counters.num_tokens_recomputed += len(before.token_ids)
-        if key:
-            await self._wait_until_settled(key)
         status, headers, chunks = 500, [], []
-        async for msg in asgi_call(self.app, req):
-            if msg["type"] == "http.response.start":
-                status, headers = msg["status"], msg.get("headers", [])
-                if req.is_stream:
-                    yield {"status": status, "headers": headers}
-            elif msg["type"] == "http.response.body" and msg.get("body"):
-                if req.is_stream:
-                    yield msg["body"]
-                else:
-                    chunks.append(msg["body"])
+        for attempt in range(MAX_BUSY_RETRIES + 1):
+            if key:
+                await self._wait_until_settled(key)
+            status, headers, chunks, held, started = 500, [], [], [], False  # started: bytes went out
+            async for msg in asgi_call(self.app, req):
+                if msg["type"] == "http.response.start":
+                    status, headers = msg["status"], msg.get("headers", [])
+                elif msg["type"] == "http.response.body" and msg.get("body"):
+                    if started:
+                        yield msg["body"]
+                        continue
+                    (chunks if not req.is_stream else held).append(msg["body"])
+                    # A stream is held until its first output (chat sends a role chunk first), so a busy
+                    # error at the start of the turn can still be retried; then it flows through.
+                    if req.is_stream and _has_output(msg["body"]):
+                        started = True
+                        yield {"status": status, "headers": headers}
+                        for chunk in held:
+                            yield chunk
+            first = b"".join(held if req.is_stream else chunks)
+            if key and attempt < MAX_BUSY_RETRIES and not started and _is_moving_busy(status, first):
+                self.counters.num_busy_retries += 1
+                await asyncio.sleep(0.05 * (attempt + 1))
+                continue
+            if req.is_stream and not started:
+                yield {"status": status, "headers": headers}
+                for chunk in held:
+                    yield chunk
+            break
         body = b"".join(chunks)
         if status == 200:
             conflict = await self._after(req, key, before, None if req.is_stream else body)
