@@ -38,6 +38,9 @@ class Metrics:
                                      registry=r)
         self.recompute_tokens = Gauge("sessionserve_session_recompute_tokens", "Tokens recomputed after drops",
                                       registry=r)
+        self.implicit = Gauge("sessionserve_implicit_sessions",
+                              "Requests without a session id: requests, hits (continued a live session), forks, "
+                              "opened, evicted, open", ["what"], registry=r)
         self.prefetch = Gauge("sessionserve_session_restores", "Session KV restores by outcome", ["outcome"],
                               registry=r)
         self.step_seconds = Histogram("sessionserve_engine_step_seconds", "Engine step time",
@@ -76,6 +79,11 @@ class Metrics:
         self.prefetch.labels("hit").set(total.num_prefetch_hits)
         self.prefetch.labels("late").set(total.num_prefetch_late)
         self.prefetch.labels("miss").set(total.num_restore_misses)
+
+    def sample_implicit(self, implicit) -> None:  # noqa: ANN001 - server.implicit.ImplicitSessions
+        for what in ("requests", "hits", "forks", "opened", "evicted"):
+            self.implicit.labels(what).set(getattr(implicit, f"num_{what}"))
+        self.implicit.labels("open").set(implicit.num_open)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

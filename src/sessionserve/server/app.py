@@ -25,6 +25,7 @@ from sessionserve.obs.metrics import Metrics
 from sessionserve.obs.tracing import Tracer, request_id_var
 from sessionserve.server.auth import Auth
 from sessionserve.server.bridge import AsyncEngine, EngineDead, EngineOverloaded
+from sessionserve.server.implicit import ImplicitSessions
 from sessionserve.server.protocol import OpenAIError, format_validation_errors
 
 logger = logging.getLogger("sessionserve.server")
@@ -41,16 +42,20 @@ class ServerState:
     created: int
     max_request_bytes: int
     max_sessions_per_tenant: int
+    # Sessions found from the conversation when a request names none (None: off).
+    implicit: ImplicitSessions | None = None
 
 
 def create_app(engine: LLMEngine, *, model_name: str | None = None, auth: Auth | None = None,
                max_queued_requests: int = 1024, max_request_bytes: int = 8 << 20,
-               max_sessions_per_tenant: int = 1000, tracer: Tracer | None = None) -> FastAPI:
+               max_sessions_per_tenant: int = 1000, tracer: Tracer | None = None,
+               implicit_sessions: bool = True, max_implicit_sessions: int = 256) -> FastAPI:
     name = model_name or engine.model_dir.name
     metrics = Metrics(name)
     bridge = AsyncEngine(engine, max_queued_requests=max_queued_requests, on_step=metrics.sample_engine)
     state = ServerState(engine, bridge, auth or Auth(), metrics, tracer or Tracer(None), name, int(time.time()),
-                        max_request_bytes, max_sessions_per_tenant)
+                        max_request_bytes, max_sessions_per_tenant,
+                        ImplicitSessions(engine.runner.block_size, max_implicit_sessions) if implicit_sessions else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202

@@ -24,6 +24,14 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Turn:
+    """What a request's prepare step may return: the tokens to send and the session they go to."""
+
+    token_ids: list[int]
+    session_id: str | None
+
+
 class EngineOverloaded(Exception):
     """Too many requests queued; the client should retry later."""
 
@@ -120,7 +128,10 @@ class AsyncEngine:
 
         def add(eng: LLMEngine) -> None:
             ids = prompt(eng) if callable(prompt) else prompt
-            eng.add_request(ids, params, request_id=request_id, stream=stream, salt=salt, session_id=session_id,
+            sid = session_id
+            if isinstance(ids, Turn):
+                ids, sid = ids.token_ids, ids.session_id
+            eng.add_request(ids, params, request_id=request_id, stream=stream, salt=salt, session_id=sid,
                             priority=priority)
             self._streams[request_id] = _Stream(loop, out_queue, request_id)
 

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -26,13 +27,22 @@ from sessionserve.llm_engine import LLMEngine, RequestOutput
 from sessionserve.server import protocol as P
 from sessionserve.server.app import engine_error, read_json
 from sessionserve.server.auth import tenant_salt
+from sessionserve.server.bridge import Turn
 from sessionserve.server.chat import continue_session, render_chat
+from sessionserve.server.implicit import is_implicit
 from sessionserve.server.tool_parser import StreamingToolParser, parse_tool_calls
 
 if TYPE_CHECKING:
     from sessionserve.server.app import ServerState
 
 SESSION_HEADER = "x-session-id"
+
+
+@dataclass(slots=True)
+class SessionTarget:
+    """The session a request's turn runs in: the client's id, or the implicit one found for it."""
+
+    sid: str | None
 
 
 def session_key(tenant: str, session_id: str) -> str:
@@ -72,22 +82,39 @@ def register(app: FastAPI, state: ServerState) -> None:
                                 "invalid_request_error", param="session_id")
         return sid
 
-    async def run(request: Request, prompt: list[int], params: SamplingParams, sid: str | None,
-                  priority: str | None) -> AsyncIterator[RequestOutput]:
+    async def run(request: Request, prompt: list[int], params: SamplingParams, target: SessionTarget,
+                  priority: str | None, implicit: bool = False) -> AsyncIterator[RequestOutput]:
+        """Generate for `prompt`; with `implicit` and no session id, find (or open) the conversation's session.
+
+        `target.sid` holds the session id the turn ran in once it was added.
+        """
         tenant = request.state.tenant
         rid = f"{request.state.request_id}"
+        sid = target.sid
         key = session_key(tenant, sid) if sid else None
+        source: Any = prompt
         if key is not None:
             def prepare(e: LLMEngine) -> list[int]:
                 if e.get_session(key) is None and sum(
-                        1 for s in e.sessions if s.tenant == tenant) >= state.max_sessions_per_tenant:
+                        1 for s in e.sessions
+                        if s.tenant == tenant and not is_implicit(s.session_id.split("/", 1)[1])
+                ) >= state.max_sessions_per_tenant:
                     raise P.OpenAIError(429, "Too many open sessions for this API key.", "rate_limit_error",
                                         code="too_many_sessions")
                 new, _ = continue_session(e, key, prompt, tenant, priority or "interactive")
                 return new
-            source: Any = prepare
-        else:
-            source = prompt
+            source = prepare
+        elif implicit and state.implicit is not None:
+            index = state.implicit
+
+            def prepare_implicit(e: LLMEngine) -> Turn:
+                found = index.resolve(e, tenant, prompt, tenant_salt(tenant))
+                ikey = session_key(tenant, found)
+                new, _ = continue_session(e, ikey, prompt, tenant, priority or "interactive")
+                target.sid = found
+                state.metrics.sample_implicit(index)
+                return Turn(new, ikey)
+            source = prepare_implicit
         try:
             async for out in state.bridge.generate(source, params, rid, session_id=key, salt=tenant_salt(tenant),
                                                    priority=priority):
@@ -157,7 +184,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         use_tools = bool(tools) and req.tool_choice != "none"
         tool_names = set(req.tool_names or ())
         created, cid, t0 = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", time.monotonic()
-        outputs = run(request, prompt, params, sid, request_priority(request, req.priority))
+        target = SessionTarget(sid)
+        outputs = run(request, prompt, params, target, request_priority(request, req.priority), implicit=True)
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -180,8 +208,8 @@ def register(app: FastAPI, state: ServerState) -> None:
                             yield _sse(P.chat_chunk(cid, created, state.model_name, {}, finish_reason=reason))
                             if include_usage:
                                 yield _sse(P.chat_chunk(cid, created, state.model_name, None, usage=_usage(out)))
-                            record(out, t0, request, sid)
-                            await park(request, sid, called, req.expected_wait_s)
+                            record(out, t0, request, target.sid)
+                            await park(request, target.sid, called, req.expected_wait_s)
                 except P.OpenAIError as exc:
                     yield _sse(exc.body())
                 yield "data: [DONE]\n\n"
@@ -192,8 +220,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         final = await _collect(request, outputs)
         content, tool_calls = (parse_tool_calls(final.text, tool_names) if use_tools else (final.text, []))
         reason = "tool_calls" if tool_calls else final.finish_reason
-        record(final, t0, request, sid)
-        await park(request, sid, [tc["function"]["name"] for tc in tool_calls], req.expected_wait_s)
+        record(final, t0, request, target.sid)
+        await park(request, target.sid, [tc["function"]["name"] for tc in tool_calls], req.expected_wait_s)
         logprobs = _chat_logprobs(eng, final) if req.logprobs else None
         return JSONResponse(P.chat_completion(cid, created, state.model_name, content, tool_calls, reason,
                                               _usage(final), logprobs=logprobs))
@@ -213,7 +241,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             raise P.OpenAIError(400, "The prompt is empty.", "invalid_request_error", param="prompt")
         params = make_params(req, len(prompt), None)
         created, cid, t0 = int(time.time()), f"cmpl-{uuid.uuid4().hex}", time.monotonic()
-        outputs = run(request, prompt, params, sid, "interactive")
+        outputs = run(request, prompt, params, SessionTarget(sid), "interactive")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
