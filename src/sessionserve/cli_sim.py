@@ -59,7 +59,7 @@ def run_calibrate(args: argparse.Namespace) -> Path:
     print(f"  step = {s.overhead_s * 1e3:.3f} ms + {s.per_seq_s * 1e6:.1f} us/seq + {s.per_token_s * 1e6:.2f} "
           f"us/token + {s.per_attn_s * 1e9:.3f} ns/attention pair")
     print(f"  KV copy: host {profile.host_copy_bytes_per_s / 1e9:.2f} GB/s, disk "
-          f"{profile.disk_copy_bytes_per_s / 1e9:.2f} GB/s")
+          f"{profile.disk_copy_bytes_per_s / 1e9:.2f} GB/s, {profile.move_latency_s * 1e3:.2f} ms per move")
     print(f"wrote {out}")
     return out
 
@@ -176,8 +176,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    "profile's device memory)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--max-sim-users", type=int, default=None, help="simulate at most this many agents per replica "
-                   "(default: all)")
+    g.add_argument("--max-sim-users", type=int, default=64, help="most agents per replica considered (the replica "
+                   "ladder starts at users / this)")
     parser.add_argument("--out", default=None, help="folder for plan.md, plan.json and the plots")
 
 

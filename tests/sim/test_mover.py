@@ -54,3 +54,10 @@ def test_tier_full_refuses_and_discard_frees() -> None:
     m.poll()
     assert m.num_free_blocks(Tier.HOST) == 10
     assert not m.offload("c", [1], Tier.DISK)  # no disk tier
+
+
+def test_each_move_pays_the_fixed_latency() -> None:
+    clock = VirtualClock()
+    m = VirtualMover(clock, 100, 10, 0, host_bytes_per_s=1000.0, disk_bytes_per_s=1.0, move_latency_s=0.5)
+    m.offload("a", [1], Tier.HOST)
+    assert m.next_done_s() == pytest.approx(0.6)

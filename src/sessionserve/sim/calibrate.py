@@ -209,6 +209,32 @@ def measure_copies(kv_caches: Any, num_blocks: int = 64, repeats: int = 3) -> di
     return out
 
 
+def measure_move_latency_s(kv_caches: Any, num: int = 20) -> float:
+    """Mean time from handing a one-block offload or restore to `ThreadMover` to its completion in `poll()`."""
+    from sessionserve.cache.host_tier import HostTier
+    from sessionserve.cache.kv_layout import KVLayout
+    from sessionserve.cache.mover import ThreadMover
+    from sessionserve.core.session import Tier
+
+    layout = KVLayout.from_kv_caches(kv_caches)
+    mover = ThreadMover(kv_caches, HostTier(layout, 4 * layout.block_bytes), None)
+    total = 0.0
+    try:
+        for i in range(num):
+            for kind in ("offload", "restore"):
+                t0 = time.perf_counter()
+                if kind == "offload":
+                    mover.offload(f"s{i}", [0], Tier.HOST)
+                else:
+                    mover.restore(f"s{i}", [0])
+                while not mover.poll():
+                    mover.wait(0.001)
+                total += time.perf_counter() - t0
+    finally:
+        mover.close()
+    return total / (2 * num)
+
+
 def hardware_description() -> dict[str, Any]:
     import torch
 
@@ -247,6 +273,7 @@ def calibrate(model_dir: str | Path, engine_kwargs: dict[str, Any], grid: Grid |
         measure_steps(engine, warm)
         shapes, seconds = measure_steps(engine, grid)
         copies = measure_copies(engine.runner.kv_caches)
+        move_latency_s = measure_move_latency_s(engine.runner.kv_caches)
         arch, runner = engine.runner.arch, engine.runner
         dtype_bytes = runner.block_bytes // (runner.block_size * arch.kv_bytes_per_token(1))
         model = ModelShape(name=Path(model_dir).name, num_params=arch.num_params(),
@@ -265,7 +292,7 @@ def calibrate(model_dir: str | Path, engine_kwargs: dict[str, Any], grid: Grid |
     return CostProfile(
         name=name or f"{Path(model_dir).name}@{platform.node() or 'this-machine'}", kind="calibrated",
         hardware=hw, model=model, step=cost, host_copy_bytes_per_s=copies["host"],
-        disk_copy_bytes_per_s=copies["disk"], fit=fit,
+        disk_copy_bytes_per_s=copies["disk"], move_latency_s=move_latency_s, fit=fit,
         notes="Measured by sessionserve calibrate: engine steps over a grid of batch shapes (scheduler and "
               "forward together) plus the in-process loop hop; KV copies with the mover's gather/scatter.",
         created=time.strftime("%Y-%m-%d %H:%M:%S"))

@@ -40,7 +40,7 @@ class SimEngine:
             host_block_bytes = self.block_bytes // 4 if sc.host_kv_int8 else self.block_bytes  # int8 of fp32 KV
             self.mover = VirtualMover(self.clock, self.block_bytes, sc.host_kv_bytes // host_block_bytes,
                                       sc.disk_kv_bytes // self.block_bytes, profile.host_copy_bytes_per_s,
-                                      profile.disk_copy_bytes_per_s)
+                                      profile.disk_copy_bytes_per_s, profile.move_latency_s)
         self.sessions = SessionManager(self.kv, self.mover, make_policy(sc.residency_policy),
                                        idle_ttl_s=sc.session_idle_ttl_s, max_sessions=sc.max_sessions,
                                        costs=self._costs(None))

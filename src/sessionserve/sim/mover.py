@@ -38,8 +38,9 @@ class VirtualMover:
     """`KVMover` on a `VirtualClock`. Called from the engine (and the driver) only."""
 
     def __init__(self, clock: VirtualClock, block_bytes: int, num_host_blocks: int, num_disk_blocks: int,
-                 host_bytes_per_s: float, disk_bytes_per_s: float) -> None:
+                 host_bytes_per_s: float, disk_bytes_per_s: float, move_latency_s: float = 0.0) -> None:
         self.clock = clock
+        self.move_latency_s = move_latency_s
         self.block_bytes = block_bytes
         self.capacity = {Tier.HOST: num_host_blocks, Tier.DISK: num_disk_blocks}
         self.used = {Tier.HOST: 0, Tier.DISK: 0}
@@ -64,7 +65,8 @@ class VirtualMover:
         self.used[tier] += n
         copy = _Copy(tier, n, busy=True)
         self._copies[session_id] = copy
-        self._submit(_Job(session_id, MoveKind.OFFLOAD, copy, n * self.block_bytes / self.bytes_per_s[tier]))
+        self._submit(_Job(session_id, MoveKind.OFFLOAD, copy,
+                          self.move_latency_s + n * self.block_bytes / self.bytes_per_s[tier]))
         return True
 
     def restore(self, session_id: str, device_blocks: list[int]) -> None:
@@ -76,7 +78,7 @@ class VirtualMover:
             return
         copy.busy = True
         self._submit(_Job(session_id, MoveKind.RESTORE, copy,
-                          copy.num_blocks * self.block_bytes / self.bytes_per_s[copy.tier]))
+                          self.move_latency_s + copy.num_blocks * self.block_bytes / self.bytes_per_s[copy.tier]))
 
     def discard(self, session_id: str) -> None:
         self._settle()

@@ -69,6 +69,7 @@ class CostProfile:
     host_copy_bytes_per_s: float
     disk_copy_bytes_per_s: float
     device_memory_bytes: int | None = None  # None: not known (CPU); the KV budget is given per run
+    move_latency_s: float = 0.0  # fixed cost of one KV move (hand-off to the mover, bookkeeping), any size
     cost_per_hour: float | None = None  # price of one replica-hour, for the planner (stated source in notes)
     fit: dict[str, Any] = field(default_factory=dict)  # calibrated: samples, error; derived: assumptions
     notes: str = ""
