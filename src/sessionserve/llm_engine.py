@@ -155,6 +155,16 @@ class LLMEngine:
         self.core.open_session(sid, tenant, priority)
         return sid
 
+    def fork_session(self, parent_id: str, child_id: str | None = None) -> str:
+        """Open a session that starts from `parent_id`'s history (sharing its cached blocks). Returns its id."""
+        parent = self.sessions.get(parent_id)
+        if parent is None:
+            raise ValueError(f"unknown session {parent_id!r}")
+        self._next_id += 1
+        cid = child_id or f"sess-{self._next_id}"
+        self.sessions.fork(parent, cid, self.core.clock())
+        return cid
+
     def park(self, session_id: str, tools: tuple[str, ...] = (), expected_wait_s: float | None = None) -> None:
         """Tell the engine what a parked session waits on (tool names, expected wait)."""
         session = self.sessions.get(session_id)

@@ -145,3 +145,32 @@ def test_resolve_checks_the_indexed_prompts_partial_tail() -> None:
     eng.turn(f"t/{sid}", "t", prompt + [40])
     assert imp.resolve(eng, "t", list(range(13)) + [77, 78, 79], b"") != sid
     assert imp.resolve(eng, "t", prompt + [40, 41], b"") == sid
+
+
+def test_fork_via_sessions_api_shares_the_parents_blocks(server: LiveServer) -> None:
+    import httpx
+
+    auth = {"Authorization": "Bearer key-alice"}
+    c = client(server)
+    msgs = [SYSTEM, {"role": "user", "content": "plan the refactor, then split the work"}]
+    first = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                      extra_headers={"X-Session-ID": "parent-1"})
+    r = httpx.post(server.url + "/v1/sessions/parent-1/fork", json={"session_id": "child-1"}, headers=auth)
+    assert r.status_code == 200 and r.json()["forked_from"] == "parent-1"
+    parent_info = httpx.get(server.url + "/v1/sessions/parent-1", headers=auth).json()
+    assert r.json()["num_tokens"] == parent_info["num_tokens"] and r.json()["num_computed_tokens"] == 0
+    history = msgs + [{"role": "assistant", "content": first.choices[0].message.content}]
+    child = c.chat.completions.create(model="tiny", messages=history + [{"role": "user", "content": "part A"}],
+                                      max_tokens=3, temperature=0, extra_headers={"X-Session-ID": "child-1"})
+    # The child's first turn prefilled only what the parent's full blocks do not cover.
+    assert child.usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens // 16) * 16
+    parent = c.chat.completions.create(model="tiny", messages=history + [{"role": "user", "content": "part B"}],
+                                       max_tokens=3, temperature=0, extra_headers={"X-Session-ID": "parent-1"})
+    assert parent.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    assert httpx.post(server.url + "/v1/sessions/nope/fork", json={}, headers=auth).status_code == 404
+    assert httpx.post(server.url + "/v1/sessions/parent-1/fork", json={"session_id": "child-1"},
+                      headers=auth).status_code == 409
+    bob = {"Authorization": "Bearer key-bob"}
+    assert httpx.post(server.url + "/v1/sessions/parent-1/fork", json={}, headers=bob).status_code == 404
+    for sid in ("parent-1", "child-1"):
+        httpx.delete(server.url + f"/v1/sessions/{sid}", headers=auth)

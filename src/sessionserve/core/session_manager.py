@@ -166,6 +166,19 @@ class SessionManager:
         session.waiting_tools = tuple(tools)
         session.wait_hint_s = wait_hint_s
 
+    def fork(self, parent: Session, child_id: str, now_s: float) -> Session:
+        """A new session with `parent`'s history (same tenant and class); the parent is untouched.
+
+        The child holds no KV of its own yet: its first turn finds the
+        parent's full blocks in the prefix cache and shares them by reference
+        count (blocks are immutable once full: copy-on-write for free); only
+        the last partial block, and whatever the parent no longer has on the
+        device, is computed again.
+        """
+        child = self.open(child_id, now_s, parent.tenant, parent.priority)
+        child.token_ids = list(parent.token_ids)
+        return child
+
     def close(self, session_id: str) -> bool:
         """Free the session's KV in every tier and forget it. The running turn, if any, is the caller's."""
         session = self.sessions.pop(session_id, None)

@@ -45,6 +45,14 @@ class SessionTarget:
     sid: str | None
 
 
+def check_session_limit(eng: LLMEngine, tenant: str, limit: int) -> None:
+    """429 if `tenant` already has `limit` sessions it opened (implicit ones do not count)."""
+    if sum(1 for s in eng.sessions
+           if s.tenant == tenant and not is_implicit(s.session_id.split("/", 1)[1])) >= limit:
+        raise P.OpenAIError(429, "Too many open sessions for this API key.", "rate_limit_error",
+                            code="too_many_sessions")
+
+
 def session_key(tenant: str, session_id: str) -> str:
     """Engine-side session id: namespaced by tenant, so tenants never see each other's sessions."""
     return f"{tenant}/{session_id}"
@@ -95,12 +103,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         source: Any = prompt
         if key is not None:
             def prepare(e: LLMEngine) -> list[int]:
-                if e.get_session(key) is None and sum(
-                        1 for s in e.sessions
-                        if s.tenant == tenant and not is_implicit(s.session_id.split("/", 1)[1])
-                ) >= state.max_sessions_per_tenant:
-                    raise P.OpenAIError(429, "Too many open sessions for this API key.", "rate_limit_error",
-                                        code="too_many_sessions")
+                if e.get_session(key) is None:
+                    check_session_limit(e, tenant, state.max_sessions_per_tenant)
                 new, _ = continue_session(e, key, prompt, tenant, priority or "interactive")
                 return new
             source = prepare

@@ -1,4 +1,4 @@
-"""Session routes: POST /v1/sessions, GET /v1/sessions/{id}, DELETE /v1/sessions/{id}.
+"""Session routes: POST /v1/sessions, GET/DELETE /v1/sessions/{id}, POST /v1/sessions/{id}/fork.
 
 Sessions are namespaced by tenant: another tenant's session id is simply not
 found (404), whether it exists or not.
@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from sessionserve.llm_engine import LLMEngine
 from sessionserve.server import protocol as P
 from sessionserve.server.app import read_json
-from sessionserve.server.routes_openai import session_key
+from sessionserve.server.routes_openai import check_session_limit, session_key
 
 if TYPE_CHECKING:
     from sessionserve.core.session import Session
@@ -56,11 +56,32 @@ def register(app: FastAPI, state: ServerState) -> None:
             if eng.get_session(key) is not None:
                 raise P.OpenAIError(409, f"Session '{sid}' already exists.", "invalid_request_error",
                                     param="session_id", code="session_exists")
-            if sum(1 for s in eng.sessions if s.tenant == tenant) >= state.max_sessions_per_tenant:
-                raise P.OpenAIError(429, "Too many open sessions for this API key.", "rate_limit_error",
-                                    code="too_many_sessions")
+            check_session_limit(eng, tenant, state.max_sessions_per_tenant)
             eng.open_session(key, tenant=tenant, priority=priority)
             return session_object(eng.get_session(key), sid)
+
+        return await bridge.call(do)
+
+    @app.post("/v1/sessions/{sid}/fork")
+    async def fork_session(sid: str, request: Request) -> Any:
+        """A new session starting from `sid`'s history; both go on independently (sub-agents)."""
+        body = await read_json(request) if await request.body() else {}
+        child = body.get("session_id") or f"sess_{uuid.uuid4().hex}"
+        if not isinstance(child, str) or not P.valid_session_id(child):
+            raise P.OpenAIError(400, "session_id must be 1-128 characters of [A-Za-z0-9._:-].",
+                                "invalid_request_error", param="session_id")
+        tenant = request.state.tenant
+        key, child_key = session_key(tenant, sid), session_key(tenant, child)
+
+        def do(eng: LLMEngine) -> dict[str, Any]:
+            if eng.get_session(key) is None:
+                raise not_found(sid)
+            if eng.get_session(child_key) is not None:
+                raise P.OpenAIError(409, f"Session '{child}' already exists.", "invalid_request_error",
+                                    param="session_id", code="session_exists")
+            check_session_limit(eng, tenant, state.max_sessions_per_tenant)
+            eng.fork_session(key, child_key)
+            return {**session_object(eng.get_session(child_key), child), "forked_from": sid}
 
         return await bridge.call(do)
 
