@@ -57,6 +57,8 @@ def test_route_key_reads_owner_and_release_from_store(ingress: Ingress) -> None:
     route = ingress.route_of("POST", "/v1/chat/completions", headers, body).route
     assert route.owner is None and route.is_released
     assert ingress.route_of("GET", "/v1/sessions/s2", headers, b"").session_key == "alice/s2"
+    fork = ingress.route_of("POST", "/v1/sessions/s2/fork", headers, b"{}")
+    assert fork.session_key == "alice/s2" and fork.route.owner is None and fork.route.is_released
 
 
 def test_bad_requests_route_anywhere(ingress: Ingress) -> None:

@@ -79,8 +79,8 @@ class Ingress:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 return base  # the replica answers the 400
         sid = headers.get("x-session-id") or data.get("session_id")
-        if path.startswith("/v1/sessions/"):
-            sid = path[len("/v1/sessions/"):]
+        if path.startswith("/v1/sessions/"):  # /v1/sessions/{id}, /v1/sessions/{id}/fork: go where {id} is
+            sid = path[len("/v1/sessions/"):].split("/", 1)[0]
         skey = session_key(tenant, sid) if isinstance(sid, str) and valid_session_id(sid) else None
         hashes: list[bytes] = []
         messages: tuple[dict[str, Any], ...] = ()
