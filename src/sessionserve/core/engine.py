@@ -73,6 +73,7 @@ class EngineCore:
                        max_model_len=self.max_model_len, salt=salt, priority=rank)
         if session is not None:
             seq.program = session.program
+            seq.service_at_arrival = session.program.service_tokens
         self.scheduler.check_fits(seq)
         if session is not None:
             assert self.sessions is not None

@@ -7,12 +7,13 @@ to preempt background work.
 
 - Priority classes: `interactive` (rank 0) before `batch` (rank 1).
 - Program-level fairness (after Autellix's PLAS): a *program* is an agent
-  session (all its turns) or a lone request. Within a class, programs that
-  have received less service (tokens computed for them so far, across all
-  their steps) go first, so a session with many short calls does not wait
+  session (all its turns) or a lone request. Within a class, a request whose
+  program had received less service when it arrived (tokens computed for its
+  earlier steps) goes first, so a session with many short calls does not wait
   behind one long one at every step. Service is bucketed into levels of
   doubling size (`las_quantum_tokens` x 2^k); within a level, first come
-  first served.
+  first served. A request keeps its place while it runs: demoting it by its
+  own progress would interleave long prefills and hold more KV at once.
 - Anti-starvation: a sequence that has waited `aging_s` moves up one class;
   one that has waited `starvation_s` drops to the lowest service level. So
   every sequence is eventually first in line.

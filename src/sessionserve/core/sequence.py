@@ -59,6 +59,9 @@ class Sequence:
     # Priority class rank (0 interactive, 1 batch) and the program (session) whose service it adds to.
     priority: int = 0
     program: Program = field(default_factory=Program)
+    # The program's service when this request arrived: its place in line, fixed while it runs
+    # (a request is not demoted by its own progress, which would interleave long prefills).
+    service_at_arrival: int = 0
     # Per generated token: {token_id: logprob} for the top-n, plus the chosen token.
     logprobs: list[dict[int, float]] | None = field(default=None)
 

@@ -92,6 +92,18 @@ def test_light_program_goes_before_heavy_one_of_same_class() -> None:
     plan, _ = run_step(sched, now_s=1.0)
     assert [c.seq for c in plan.chunks] == [second]
     assert light.service_tokens == 3 + 8  # service is charged to the program
+    assert second.service_at_arrival == 3  # ... but a running request keeps its place
+
+
+def test_running_request_is_not_demoted_by_its_own_progress() -> None:
+    sched = create_scheduler(max_num_batched_tokens=8, las_quantum_tokens=4)
+    long_one = create_seq(40, arrival_s=0.0, program=Program())
+    sched.add(long_one)
+    run_step(sched, now_s=0.0)  # 8 tokens of service: level 1 by now
+    short = create_seq(4, arrival_s=0.5, program=Program(service_tokens=6))  # level 1 at arrival, arrived later
+    sched.add(short)
+    plan, _ = run_step(sched, now_s=0.5)
+    assert [c.seq for c in plan.chunks] == [long_one]  # the long prefill keeps the budget; no interleaving
 
 
 def test_urgent_interactive_preempts_batch_only_after_threshold() -> None:

@@ -34,6 +34,7 @@ def create_seq(num_prompt_tokens: int, max_tokens: int = 4, tokens: list[int] | 
                    arrival_s=arrival_s, priority=priority)
     if program is not None:
         seq.program = program
+        seq.service_at_arrival = program.service_tokens
     return seq
 
 
