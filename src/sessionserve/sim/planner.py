@@ -84,8 +84,10 @@ class FastPromptBuilder(PromptBuilder):
         if base is None:
             base = self._base = list(range(lo, hi))
         start = zlib.crc32(f"{self.seed}:{key}".encode()) % len(base)
-        run = base[start:] + base[:start]
-        return (run * (n // len(run) + 1))[:n]
+        out = base[start:start + n]
+        while len(out) < n:
+            out += base[:n - len(out)]
+        return out
 
 
 def replica_sessions(trace: TraceSet, num_sessions: int, seed: int) -> list[AgentSession]:
