@@ -196,7 +196,8 @@ def make_api(ingress: Ingress) -> FastAPI:
         body = await request.body()
         headers = {k.lower(): v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
         headers["content-length"] = str(len(body))
-        req = ingress.route_of(request.method, "/" + path, headers, body)
+        # Rendering, tokenizing and the store read run off the event loop (tokenizers release the GIL).
+        req = await asyncio.to_thread(ingress.route_of, request.method, "/" + path, headers, body)
         return await ingress.send(replace(req, query=request.url.query.encode()))
 
     return api
