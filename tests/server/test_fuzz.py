@@ -1,0 +1,150 @@
+"""Property-based fuzzing of the HTTP API: every answer is a 200 or a well-formed 4xx, never a 5xx.
+
+Bodies are drawn from JSON of any shape and type around the real request
+schema (wrong types, huge and negative numbers, NaN, unicode, unknown fields,
+invalid tool schemas), plus raw bytes. After the run the server still serves,
+no request is left in the engine and the KV pool is consistent.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.server.conftest import LiveServer
+
+AUTH = {"Authorization": "Bearer key-alice"}
+OK_STATUSES = {200, 400, 401, 404, 409, 413, 429}
+
+scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40))
+any_json = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                        max_leaves=8)
+text = st.text(max_size=300) | st.sampled_from(["", "\x00", "\ud7ff\ue000", "<tool_call>{", "😀" * 50, "a" * 5000])
+
+schema = st.fixed_dictionaries({"type": st.sampled_from(["object", "string", "integer", "bogus"]) | any_json},
+                               optional={"properties": st.dictionaries(st.text(max_size=6), any_json, max_size=3),
+                                         "required": any_json, "maxLength": any_json, "enum": any_json})
+tool = st.fixed_dictionaries({"type": st.sampled_from(["function", "other"]) | any_json,
+                              "function": st.fixed_dictionaries(
+                                  {"name": st.text(max_size=70) | any_json},
+                                  optional={"description": text, "parameters": schema | any_json})}) | any_json
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard"]) | any_json,
+     "content": text | any_json},
+    optional={"tool_calls": st.lists(any_json, max_size=2) | any_json, "tool_call_id": text | any_json,
+              "name": text})
+chat_body = st.fixed_dictionaries(
+    {"model": st.sampled_from(["tiny", "nope"]) | any_json,
+     "messages": st.lists(message, max_size=4) | any_json,
+     "max_tokens": st.integers(0, 3) | st.sampled_from([-1, 10**9, 2**63]) | any_json},
+    optional={"temperature": st.floats(allow_nan=True, allow_infinity=True) | any_json,
+              "top_p": st.floats(-1, 2) | any_json, "n": st.integers(-1, 3), "seed": st.integers(-(2**70), 2**70),
+              "stop": st.lists(text, max_size=5) | text | any_json, "stream": st.booleans() | any_json,
+              "tools": st.lists(tool, max_size=3) | any_json,
+              "tool_choice": st.sampled_from(["auto", "none", "required"]) | any_json,
+              "response_format": st.fixed_dictionaries({"type": st.sampled_from(["json_object", "json_schema",
+                                                                                 "text", "xml"])},
+                                                       optional={"json_schema": any_json}) | any_json,
+              "logprobs": st.booleans() | any_json, "top_logprobs": st.integers(-2, 50),
+              "logit_bias": st.dictionaries(st.text(max_size=6), any_json, max_size=3) | any_json,
+              "priority": st.sampled_from(["interactive", "batch", "urgent"]) | any_json,
+              "session_id": text | any_json, "expected_wait_s": any_json, "frobnicate": any_json})
+# Valid requests with edge values (these get past validation and run), and valid ones with one field broken.
+valid_message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]), "content": text})
+bounded_tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({
+    "name": st.from_regex(r"[a-z_]{1,12}", fullmatch=True),
+    "parameters": st.just({"type": "object", "properties": {"q": {"type": "string", "maxLength": 8}},
+                           "required": ["q"]})})})
+valid_chat = st.fixed_dictionaries(
+    {"model": st.just("tiny"),
+     "messages": st.lists(valid_message, min_size=1, max_size=3).map(lambda m: [*m, {"role": "user", "content": "x"}]),
+     "max_tokens": st.integers(1, 3)},
+    optional={"temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "seed": st.integers(0, 2**63 - 1),
+              "stop": st.lists(text.filter(bool), max_size=4), "stream": st.booleans(),
+              "tools": st.lists(bounded_tool, min_size=1, max_size=2, unique_by=lambda t: t["function"]["name"]),
+              "tool_choice": st.sampled_from(["auto", "none", "required"]),
+              "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}]),
+              "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
+              "logit_bias": st.dictionaries(st.integers(0, 300).map(str), st.floats(-100, 100), max_size=3),
+              "priority": st.sampled_from(["interactive", "batch"]),
+              "session_id": st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True),
+              "expected_wait_s": st.floats(0, 1e6), "stream_options": st.just({"include_usage": True})})
+
+
+@st.composite
+def broken_one_field(draw: st.DrawFn) -> dict:
+    body = dict(draw(valid_chat))
+    key = draw(st.sampled_from(sorted(body) + ["n", "max_completion_tokens", "user", "tools"]))
+    if draw(st.booleans()) and key in body:
+        del body[key]
+    else:
+        body[key] = draw(any_json)
+    return body
+
+
+completion_body = st.fixed_dictionaries(
+    {"model": st.just("tiny") | any_json,
+     "prompt": text | st.lists(st.integers(-5, 70000), max_size=20) | any_json,
+     "max_tokens": st.integers(0, 3) | any_json},
+    optional={"echo": any_json, "stream": st.booleans(), "temperature": any_json, "logprobs": any_json,
+              "suffix": any_json, "best_of": any_json})
+
+
+def _check(r: httpx.Response) -> None:
+    assert r.status_code in OK_STATUSES, (r.status_code, r.text[:300])
+    if r.status_code == 200:
+        if r.headers.get("content-type", "").startswith("text/event-stream"):
+            lines = [ln for ln in r.text.splitlines() if ln.startswith("data: ")]
+            assert lines and lines[-1] == "data: [DONE]"
+            for ln in lines[:-1]:
+                json.loads(ln[len("data: "):])
+        else:
+            r.json()
+        return
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+
+
+def _post(server: LiveServer, path: str, body: object) -> httpx.Response:
+    try:
+        content = json.dumps(body, allow_nan=True)
+    except (TypeError, ValueError):
+        content = str(body)
+    return httpx.post(server.url + path, content=content.encode("utf-8", "surrogatepass"), timeout=60,
+                      headers={**AUTH, "Content-Type": "application/json"})
+
+
+FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@FUZZ
+@given(body=st.one_of(valid_chat, broken_one_field(), chat_body))
+def test_chat_completions_never_5xx(server: LiveServer, body: dict) -> None:
+    _check(_post(server, "/v1/chat/completions", body))
+
+
+@FUZZ
+@given(body=completion_body)
+def test_completions_never_5xx(server: LiveServer, body: dict) -> None:
+    _check(_post(server, "/v1/completions", body))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(raw=st.binary(max_size=300), path=st.sampled_from(["/v1/chat/completions", "/v1/completions",
+                                                          "/v1/sessions", "/v1/sessions/x/fork"]))
+def test_raw_bytes_never_5xx(server: LiveServer, raw: bytes, path: str) -> None:
+    r = httpx.post(server.url + path, content=raw, headers={**AUTH, "Content-Type": "application/json"}, timeout=30)
+    assert r.status_code in OK_STATUSES, r.text[:200]
+    if r.status_code != 200:
+        assert r.json()["error"]["type"]
+
+
+def test_server_is_healthy_and_clean_after_fuzzing(server: LiveServer) -> None:
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    unfinished, integrity = server.call(lambda e: (e.core.scheduler.num_unfinished, e.kv.check_integrity()))
+    assert unfinished == 0 and integrity is None
