@@ -157,7 +157,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-sessions", type=int, default=400, help="sessions of the trace to sample from")
     g.add_argument("--max-steps", type=int, default=50)
     g.add_argument("--min-steps", type=int, default=2)
-    g.add_argument("--max-context", type=int, default=None, help="cut sessions past this context (tokens)")
+    g.add_argument("--max-context", type=int, default=None, help="cut sessions before their context exceeds "
+                   "this many tokens (default: 95%% of the model's context)")
     g.add_argument("--token-scale", type=float, default=1.0)
     g.add_argument("--time-scale", type=float, default=1.0)
     g.add_argument("--max-wait-s", type=float, default=600.0)
@@ -187,9 +188,11 @@ def run_plan(args: argparse.Namespace) -> Path:
     from sessionserve.workload.loader import load_trace
 
     profile = load_profile(args.profile)
+    # NOTE: sessions are cut before their context outgrows the model (as a client compacts); else they fail.
+    max_context = args.max_context or int(0.95 * profile.model.max_model_len)
     trace = load_trace(args.trace, traces_dir=args.traces_dir, token_scale=args.token_scale,
                        time_scale=args.time_scale, max_sessions=args.num_sessions, max_steps=args.max_steps,
-                       min_steps=args.min_steps, max_context_tokens=args.max_context, max_wait_s=args.max_wait_s,
+                       min_steps=args.min_steps, max_context_tokens=max_context, max_wait_s=args.max_wait_s,
                        seed=args.seed)
     question = PlanQuestion(
         users=args.users, slo_step_p99_s=args.slo_p99,
