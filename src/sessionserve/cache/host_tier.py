@@ -10,9 +10,11 @@ fp32 blocks (~2x fp16) in the same budget at an error of at most absmax/254.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 
+import numpy as np
 import torch
 
 from sessionserve.cache.kv_layout import KVLayout
@@ -51,15 +53,12 @@ class HostTier:
             self.stored_block_bytes = layout.block_bytes
         self.num_blocks = budget_bytes // self.stored_block_bytes
         shape = layout.group_shape(self.num_blocks)
-        # Zero-filled rather than empty so a bug that reads an unwritten block
-        # returns zeros, not stale data of another session.
         if quantize_int8:
-            self._data = torch.zeros(shape, dtype=torch.int8, pin_memory=self.pin_memory)
+            self._data = _zeros(shape, torch.int8, self.pin_memory)
             scale_shape = (self.num_blocks, layout.num_layers, 2, layout.num_kv_heads, layout.block_size, 1)
-            self._scales: torch.Tensor | None = torch.zeros(
-                scale_shape, dtype=torch.float32, pin_memory=self.pin_memory)
+            self._scales: torch.Tensor | None = _zeros(scale_shape, torch.float32, self.pin_memory)
         else:
-            self._data = torch.zeros(shape, dtype=layout.dtype, pin_memory=self.pin_memory)
+            self._data = _zeros(shape, layout.dtype, self.pin_memory)
             self._scales = None
         self._lock = threading.Lock()
         self._free: deque[int] = deque(range(self.num_blocks))
@@ -172,3 +171,18 @@ class HostTier:
             return
         index = torch.tensor(ids, dtype=torch.long)
         store.index_copy_(0, index, rows.to("cpu", store.dtype))
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+    """A zero-filled host buffer that costs memory only where it is written.
+
+    Zero-filled rather than empty, so a bug that reads an unwritten block
+    returns zeros, not stale data of another session. `torch.zeros` writes
+    every page up front (a 2 GiB tier is 2 GiB of RSS at start); calloc'd
+    memory (numpy.zeros) maps the kernel's zero page until first written.
+    Pinned buffers (CUDA) are allocated and filled eagerly.
+    """
+    if pin_memory:
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
