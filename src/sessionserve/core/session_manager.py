@@ -46,7 +46,9 @@ class SessionManager:
         self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}
         self._blocked: dict[str, tuple[Sequence, float]] = {}  # session id -> (turn waiting for its KV, since)
-        self._pending_restore: set[str] = set()  # restores waiting for device blocks
+        # Restores waiting for device blocks, in request order (a dict, not a set: the retry order must not
+        # depend on string hashing, so a run replays the same under any PYTHONHASHSEED).
+        self._pending_restore: dict[str, None] = {}
         self._dropped_tokens: dict[str, int] = {}  # session id -> computed tokens lost by a drop
         self._zombies: dict[str, str] = {}  # closed session id -> key of device blocks a restore still writes
         self._closed_stats = SessionStats()  # counters of closed sessions, for totals
@@ -197,7 +199,7 @@ class SessionManager:
         if self.mover is not None:
             self.mover.discard(session_id)
         self._blocked.pop(session_id, None)
-        self._pending_restore.discard(session_id)
+        self._pending_restore.pop(session_id, None)
         self._dropped_tokens.pop(session_id, None)
         session.residency = Residency.NONE
         return True
@@ -278,9 +280,9 @@ class SessionManager:
         assert self.mover is not None
         n = self._num_blocks(session)
         if self.kv.allocate(session.kv_key, session.num_computed_tokens) is None:
-            self._pending_restore.add(session.session_id)  # retried each tick; the policy sees the demand
+            self._pending_restore[session.session_id] = None  # retried each tick; the policy sees the demand
             return
-        self._pending_restore.discard(session.session_id)
+        self._pending_restore.pop(session.session_id, None)
         session.residency = Residency.RESTORING
         self.mover.restore(session.session_id, self.kv.block_tables[session.kv_key][:n])
 
