@@ -182,7 +182,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool) -> torc
     memory (numpy.zeros) maps the kernel's zero page until first written.
     Pinned buffers (CUDA) are allocated and filled eagerly.
     """
-    if pin_memory:
-        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    if pin_memory or math.prod(shape) == 0:
+        return torch.zeros(shape, dtype=dtype, pin_memory=pin_memory)
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
