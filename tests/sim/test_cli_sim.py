@@ -5,16 +5,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from sessionserve.cli import main
 from sessionserve.sim.profile import load_profile
 from sessionserve.workload.trace_io import write_jsonl
-
 from tests.sim.test_sim_engine import agent_trace
 
 
-def test_calibrate_writes_a_versioned_profile_with_the_hardware(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+def test_calibrate_writes_a_versioned_profile_with_the_hardware(tiny_llama_only: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "p.json"
-    main(["calibrate", "--model", str(tiny_llama), "--grid", "quick", "--device-kv-bytes", str(4 << 20),
+    main(["calibrate", "--model", str(tiny_llama_only), "--grid", "quick", "--device-kv-bytes", str(4 << 20),
           "--threads", "1", "--out", str(out)])
     data = json.loads(out.read_text())
     assert data["version"] == 1 and data["kind"] == "calibrated"
@@ -39,7 +41,7 @@ def test_simulate_writes_the_bench_report_labelled_simulated(tmp_path: Path) -> 
     assert "| predictive |" in (out / "report.md").read_text()
 
 
-def test_plan_answers_with_a_table_and_plots(tmp_path: Path, capsys) -> None:
+def test_plan_answers_with_a_table_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.jsonl"
     write_jsonl(agent_trace(16, 5, wait_s=2.0), trace)
     out = tmp_path / "plan"

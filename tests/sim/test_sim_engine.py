@@ -15,6 +15,7 @@ from sessionserve.core import residency
 from sessionserve.core.engine import EngineCore
 from sessionserve.core.scheduler import Scheduler
 from sessionserve.core.session_manager import SessionManager
+from sessionserve.sim import driver
 from sessionserve.sim.derived import builtin_profile
 from sessionserve.sim.driver import SimStalled, simulate
 from sessionserve.sim.engine import SimEngine
@@ -57,11 +58,11 @@ def test_simulation_runs_the_real_schedule_and_decide_methods(monkeypatch: pytes
     calls = {"schedule": 0, "decide": 0}
     real_schedule, real_decide = Scheduler.schedule, residency.PredictivePolicy.decide
 
-    def schedule(self: Scheduler, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def schedule(self: Scheduler, *args, **kwargs):
         calls["schedule"] += 1
         return real_schedule(self, *args, **kwargs)
 
-    def decide(self: residency.PredictivePolicy, view: residency.ResidencyView):  # noqa: ANN202
+    def decide(self: residency.PredictivePolicy, view: residency.ResidencyView):
         calls["decide"] += 1
         return real_decide(self, view)
 
@@ -104,7 +105,8 @@ def test_simulated_hours_in_seconds() -> None:
     assert wall < 10, wall  # NOTE: ~2 s on a 2-core machine; the bound leaves room for a loaded one
 
 
-def test_a_session_too_big_for_the_device_is_reported_not_spun_on() -> None:
+def test_a_session_too_big_for_the_device_is_reported_not_spun_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(driver, "STALL_S", 20.0)
     # 300 tokens of KV fit (block 16, ~19 blocks); the session grows past it while decoding.
     eng = make_engine("discard", kv_cache_bytes=19 * 16 * PROFILE.model.kv_bytes_per_token)
     trace = (AgentSession("big", (Step(250, 100, (), "end"),)),)

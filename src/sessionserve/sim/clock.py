@@ -21,5 +21,4 @@ class VirtualClock:
         self.now_s += seconds
 
     def advance_to(self, t_s: float) -> None:
-        if t_s > self.now_s:
-            self.now_s = t_s
+        self.now_s = max(self.now_s, t_s)

@@ -22,8 +22,14 @@ from sessionserve.core.session import Residency, SessionState
 from sessionserve.sim.engine import SimEngine
 from sessionserve.workload.backend import StepResult
 from sessionserve.workload.prompts import PromptBuilder
-from sessionserve.workload.replay import (KV_SAMPLE_PERIOD_S, LoadSpec, ReplayResult, SessionRecord, StepRecord,
-                                          arrival_times)
+from sessionserve.workload.replay import (
+    KV_SAMPLE_PERIOD_S,
+    LoadSpec,
+    ReplayResult,
+    SessionRecord,
+    StepRecord,
+    arrival_times,
+)
 from sessionserve.workload.trace import AgentSession
 
 # NOTE: as in InprocBackend, an idle engine still steps every IDLE_TICK_S (virtual seconds) while some session's KV
@@ -202,7 +208,7 @@ class SimReplay:
             return
         self._waiting[rid] = live
 
-    def _step_done(self, live: _Live, seq) -> None:  # noqa: ANN001 - core Sequence
+    def _step_done(self, live: _Live, seq) -> None:
         n = seq.num_output_tokens
         end_s = seq.finished_s
         ttft = None if seq.first_token_s is None else seq.first_token_s - seq.arrival_s

@@ -117,7 +117,7 @@ class CostProfile:
 
 def load_profile(name_or_path: str | Path) -> CostProfile:
     """A built-in profile by name (see `BUILTIN_PROFILES`) or a JSON file written by `calibrate`."""
-    from sessionserve.sim.derived import builtin_profile, builtin_names
+    from sessionserve.sim.derived import builtin_names, builtin_profile
 
     if str(name_or_path) in builtin_names():
         return builtin_profile(str(name_or_path))
