@@ -15,7 +15,7 @@ import json
 import math
 import random
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -259,7 +259,3 @@ def _plots(out: Path, result: PlanResult) -> None:
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
-
-
-def with_users(q: PlanQuestion, users: int) -> PlanQuestion:
-    return replace(q, users=users)

@@ -116,7 +116,7 @@ class CostProfile:
 
 
 def load_profile(name_or_path: str | Path) -> CostProfile:
-    """A built-in profile by name (see `BUILTIN_PROFILES`) or a JSON file written by `calibrate`."""
+    """A built-in profile by name (`derived.builtin_names()`) or a JSON file written by `calibrate`."""
     from sessionserve.sim.derived import builtin_names, builtin_profile
 
     if str(name_or_path) in builtin_names():
