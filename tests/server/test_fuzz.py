@@ -148,3 +148,29 @@ def test_server_is_healthy_and_clean_after_fuzzing(server: LiveServer) -> None:
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     unfinished, integrity = server.call(lambda e: (e.core.scheduler.num_unfinished, e.kv.check_integrity()))
     assert unfinished == 0 and integrity is None
+
+
+def test_requests_in_flight_per_key_are_limited(tiny_llama) -> None:  # noqa: ANN001 - path fixture
+    import concurrent.futures
+
+    from sessionserve import LLMEngine
+    from sessionserve.config import Config
+    from sessionserve.server.app import create_app
+    from sessionserve.server.auth import Auth
+    from tests.server.conftest import KEYS, run_app
+
+    engine = LLMEngine(Config.from_kwargs(num_blocks=128, max_num_seqs=2, host_kv_bytes=0), tiny_llama)
+    app = create_app(engine, model_name="tiny", auth=Auth(KEYS), max_requests_per_tenant=2)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 200, "ignore_eos": True}
+    try:
+        with run_app(app) as url, concurrent.futures.ThreadPoolExecutor(6) as pool:
+            def post(key: str) -> int:
+                return httpx.post(url + "/v1/chat/completions", json=body, timeout=120,
+                                  headers={"Authorization": f"Bearer {key}"}).status_code
+            alice = list(pool.map(post, ["key-alice"] * 5))
+            assert alice.count(429) >= 1 and alice.count(200) >= 2, alice
+            assert post("key-bob") == 200  # another key is not limited by alice's load
+            assert post("key-alice") == 200  # and alice's slots came back
+            assert app.state.ss.in_flight == {}
+    finally:
+        engine.close()

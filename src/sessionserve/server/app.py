@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -44,18 +44,23 @@ class ServerState:
     max_sessions_per_tenant: int
     # Sessions found from the conversation when a request names none (None: off).
     implicit: ImplicitSessions | None = None
+    # Generation requests in flight per tenant, and the most each may have (beyond: 429).
+    max_requests_per_tenant: int = 256
+    in_flight: dict[str, int] = field(default_factory=dict)
 
 
 def create_app(engine: LLMEngine, *, model_name: str | None = None, auth: Auth | None = None,
                max_queued_requests: int = 1024, max_request_bytes: int = 8 << 20,
                max_sessions_per_tenant: int = 1000, tracer: Tracer | None = None,
-               implicit_sessions: bool = True, max_implicit_sessions: int = 256) -> FastAPI:
+               implicit_sessions: bool = True, max_implicit_sessions: int = 256,
+               max_requests_per_tenant: int = 256) -> FastAPI:
     name = model_name or engine.model_dir.name
     metrics = Metrics(name)
     bridge = AsyncEngine(engine, max_queued_requests=max_queued_requests, on_step=metrics.sample_engine)
     state = ServerState(engine, bridge, auth or Auth(), metrics, tracer or Tracer(None), name, int(time.time()),
                         max_request_bytes, max_sessions_per_tenant,
-                        ImplicitSessions(engine.runner.block_size, max_implicit_sessions) if implicit_sessions else None)
+                        ImplicitSessions(engine.runner.block_size, max_implicit_sessions) if implicit_sessions else None,
+                        max_requests_per_tenant)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202

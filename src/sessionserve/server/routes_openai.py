@@ -97,6 +97,18 @@ def register(app: FastAPI, state: ServerState) -> None:
         `target.sid` holds the session id the turn ran in once it was added.
         """
         tenant = request.state.tenant
+        check_in_flight(tenant)
+        state.in_flight[tenant] = state.in_flight.get(tenant, 0) + 1
+        try:
+            async for out in _run(request, tenant, prompt, params, target, priority, implicit):
+                yield out
+        finally:
+            state.in_flight[tenant] -= 1
+            if not state.in_flight[tenant]:
+                del state.in_flight[tenant]
+
+    async def _run(request: Request, tenant: str, prompt: list[int], params: SamplingParams, target: SessionTarget,
+                   priority: str | None, implicit: bool) -> AsyncIterator[RequestOutput]:
         rid = f"{request.state.request_id}"
         sid = target.sid
         key = session_key(tenant, sid) if sid else None
@@ -127,6 +139,13 @@ def register(app: FastAPI, state: ServerState) -> None:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
             raise engine_error(exc) from exc
+
+    def check_in_flight(tenant: str) -> None:
+        """429 when `tenant` already has its limit of generation requests in flight."""
+        if state.in_flight.get(tenant, 0) >= state.max_requests_per_tenant:
+            raise P.OpenAIError(429, f"Too many requests in flight for this API key (limit "
+                                     f"{state.max_requests_per_tenant}).", "rate_limit_error",
+                                code="too_many_requests")
 
     def request_priority(request: Request, field: str | None) -> str | None:
         """The body's `priority`, else the `X-Priority` header; None: the session's (or interactive)."""
@@ -188,6 +207,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         use_tools = bool(tools) and req.tool_choice != "none"
         tool_names = set(req.tool_names or ())
         created, cid, t0 = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", time.monotonic()
+        check_in_flight(request.state.tenant)  # before a stream's headers go out; counted when it starts
         target = SessionTarget(sid)
         outputs = run(request, prompt, params, target, request_priority(request, req.priority), implicit=True)
 
@@ -245,6 +265,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             raise P.OpenAIError(400, "The prompt is empty.", "invalid_request_error", param="prompt")
         params = make_params(req, len(prompt), None)
         created, cid, t0 = int(time.time()), f"cmpl-{uuid.uuid4().hex}", time.monotonic()
+        check_in_flight(request.state.tenant)
         outputs = run(request, prompt, params, SessionTarget(sid), "interactive")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
