@@ -36,7 +36,7 @@ if [[ $TINY == 1 ]]; then
 else
   SHAPE=llama3-8b DEVICE=cuda DTYPE=bfloat16
   MODEL_DIR="${GPU_MODEL_DIR:-$HOME/.cache/sessionserve/models/llama3-8b-shape}"
-  # The two cases; on an H200 an 8B bf16 run of each takes seconds, so
+  # The two standard cases (prefill-heavy, decode-heavy); on an H200 an 8B bf16 run of each takes seconds, so
   # load time (2 x ~15 GB) dominates and 3 repeats fit the budget.
   CASES=prefill,decode REPEATS="${GPU_REPEATS:-3}" KV_GIB="${GPU_KV_GIB:-16}" THREADS=8
 fi

@@ -46,7 +46,7 @@ def run(ex: ToolExecutor, calls: list[PlannedCall]) -> tuple[list[ToolResult], f
 
 @pytest.mark.parametrize("k", [1, 4, 16])
 def test_step_costs_its_longest_call_not_the_sum(k: int) -> None:
-    """Issue requirement 1, tool phase: <= 1.05 x max(d_i) for k independent mixed sync/async tools."""
+    """Tool phase: <= 1.05 x max(d_i) for k independent mixed sync/async tools."""
     rng = random.Random(k)
     with make(sleepers()) as ex:
         for _ in range(3):  # best of three: a shared 2-core box can stall any one run

@@ -63,7 +63,7 @@ def run(agent: Agent, task: str, **kw: Any) -> Any:
 
 
 def test_step_latency_is_the_longest_tool_plus_model_time(fake: tuple[str, FastAPI]) -> None:
-    """Issue requirement 1: 16 independent tools cost <= 1.05 x max(d_i) + model time; one by one ~ sum(d_i)."""
+    """16 independent tools cost <= 1.05 x max(d_i) + model time; one by one ~ sum(d_i)."""
     url, _ = fake
     rng = random.Random(16)
     agent = agent_for(url, sleep_tools())
@@ -213,7 +213,7 @@ def amplification(url: str, app: FastAPI, fail_rate: float, budget: RetryBudget,
 
 @pytest.mark.parametrize("fail_rate", [1.0, 0.3])
 def test_budget_bounds_amplification_across_layers(fake: tuple[str, FastAPI], fail_rate: float) -> None:
-    """Issue requirement 2: <= 1.1x the no-failure attempts with the budget; naive nested retries ~ 9x at the tool."""
+    """Retry budget: <= 1.1x the no-failure attempts with the budget; naive nested retries ~ 9x at the tool."""
     url, app = fake
     ours = amplification(url, app, fail_rate, RetryBudget(ratio=0.1, min_retries_per_s=0.5, window_s=10.0), 60)
     assert ours <= 1.1 + 1e-9, ours

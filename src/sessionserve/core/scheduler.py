@@ -83,6 +83,9 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
+        # A sequence may never outgrow the whole cache: it stops ("length") where it would,
+        # instead of preempting itself forever.
+        seq.max_model_len = min(seq.max_model_len, self.kv.pool.num_blocks * self.kv.block_size)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 

@@ -149,3 +149,15 @@ def test_random_workloads_finish_and_leak_nothing(seed: int) -> None:
         assert s.is_finished
         if s.status is not SequenceStatus.FINISHED_ABORTED:
             assert len(s.output_token_ids) == s.sampling_params.max_tokens
+
+
+def test_a_sequence_that_would_outgrow_the_whole_cache_stops_at_its_size() -> None:
+    sched = create_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    seq = create_seq(6, max_tokens=100)
+    sched.add(seq)
+    for _ in range(30):
+        if not sched.num_unfinished:
+            break
+        run_step(sched)
+    assert seq.status is SequenceStatus.FINISHED_LENGTH and seq.num_tokens == 16
+    assert sched.num_preemptions == 0 and sched.kv.num_free_blocks == 4
