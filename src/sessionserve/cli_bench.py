@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sessionserve.obs.machine import cpu_model_name
+
 MiB = 1 << 20
 POLICIES = "discard,keep,ttl,least-waste,predictive"
 
@@ -87,14 +89,7 @@ def _loads(args: argparse.Namespace) -> list[Any]:
 
 
 def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model_name()
     return f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, Python {platform.python_version()}"
 
 

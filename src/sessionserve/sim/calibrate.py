@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sessionserve.obs.machine import cpu_model_name
 from sessionserve.sim.cost_model import StepShape, plan_shape, step_seconds
 from sessionserve.sim.profile import CostProfile, ModelShape, StepCost
 
@@ -238,14 +239,7 @@ def measure_move_latency_s(kv_caches: Any, num: int = 20) -> float:
 def hardware_description() -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model_name()
     desc: dict[str, Any] = {"cpu": cpu, "num_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                             "system": f"{platform.system()} {platform.release()}",
                             "python": platform.python_version(), "torch": torch.__version__}

@@ -1,0 +1,17 @@
+"""What machine a measurement ran on, in words, for reports and profiles."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
