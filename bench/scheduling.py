@@ -117,6 +117,8 @@ def main() -> None:
     p.add_argument("--device-kv-bytes", type=int, default=96 << 20)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--las-quantum-tokens", type=int, default=None,
+                   help="priority policy: service per level (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "scheduling"))
     a = p.parse_args()
@@ -128,6 +130,8 @@ def main() -> None:
     engine_kwargs = dict(kv_cache_bytes=a.device_kv_bytes, host_kv_bytes=2 << 30, num_threads=a.threads,
                          max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                          residency_policy="predictive")
+    if a.las_quantum_tokens is not None:
+        engine_kwargs["las_quantum_tokens"] = a.las_quantum_tokens
     warm_up(model_dir, engine_kwargs, a.seed)
     policies = [x.strip() for x in a.policies.split(",") if x.strip()]
     results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
@@ -145,6 +149,7 @@ def main() -> None:
                 "tokens/": a.token_scale, "waits/": a.time_scale, "agents": a.concurrency,
                 "model": a.model_size, "threads": a.threads, "device_kv_MiB": a.device_kv_bytes >> 20,
                 "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+                "las_quantum_tokens": a.las_quantum_tokens or "default",
                 "repeats": a.repeats, "seed": a.seed, "started": started, "machine": platform.processor() or
                 platform.machine()}
     md = markdown(results, settings)

@@ -61,7 +61,8 @@ class SchedulerConfig:
     # "priority": interactive before batch, least attained service per session,
     # aging (core/priority.py). "fcfs": arrival order, as request-level servers do.
     scheduling_policy: str = "priority"
-    las_quantum_tokens: int = 2048
+    # Least attained service per session: tokens per service level; 0 = off (see core/priority.py).
+    las_quantum_tokens: int = 0
     aging_s: float = 5.0
     starvation_s: float = 30.0
     # An interactive turn kept waiting this long by memory or batch slots preempts batch work.

@@ -49,7 +49,10 @@ class Program:
 class PriorityPolicy:
     policy: str = "priority"
     # Tokens of service in the first (highest) level; level k holds [q(2^k - 1), q(2^(k+1) - 1)).
-    las_quantum_tokens: int = 2048
+    # 0: no service levels (classes and aging only). Off by default: on agent traces it
+    # favours new sessions' long first prompts over old sessions' short next steps, which
+    # costs step latency (bench/RESULTS.md, "Interactive and background agents").
+    las_quantum_tokens: int = 0
     # A waiting sequence moves up one class per `aging_s` waited.
     aging_s: float = 5.0
     # Waited this long: first service level, whatever it received before.
@@ -60,11 +63,13 @@ class PriorityPolicy:
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}; got {self.policy!r}")
-        if self.las_quantum_tokens < 1 or self.aging_s <= 0 or self.starvation_s <= 0 or self.preempt_after_s < 0:
-            raise ValueError("las_quantum_tokens >= 1, aging_s > 0, starvation_s > 0, preempt_after_s >= 0")
+        if self.las_quantum_tokens < 0 or self.aging_s <= 0 or self.starvation_s <= 0 or self.preempt_after_s < 0:
+            raise ValueError("las_quantum_tokens >= 0, aging_s > 0, starvation_s > 0, preempt_after_s >= 0")
 
     def service_level(self, service_tokens: int) -> int:
-        """0 for the first quantum of service, then one level per doubling."""
+        """0 for the first quantum of service, then one level per doubling; always 0 when LAS is off."""
+        if self.las_quantum_tokens == 0:
+            return 0
         return int(math.log2(1 + service_tokens / self.las_quantum_tokens))
 
     def effective_rank(self, rank: int, waited_s: float) -> int:

@@ -36,6 +36,13 @@ def test_aging_promotes_batch_and_starvation_resets_service() -> None:
     assert pol.key(BATCH, 0, 0.0, now_s=None)[0] == 1  # no clock: no aging
 
 
+def test_service_levels_off_by_default() -> None:
+    pol = PriorityPolicy()
+    assert pol.key(INTERACTIVE, 10**9, 1.0, 1.0) < pol.key(INTERACTIVE, 0, 2.0, 2.0)  # arrival within a class
+    with pytest.raises(ValueError):
+        PriorityPolicy(las_quantum_tokens=-1)
+
+
 def test_fcfs_is_arrival_order_only() -> None:
     pol = PriorityPolicy(policy="fcfs")
     assert pol.key(BATCH, 10**6, 1.0, 5.0) < pol.key(INTERACTIVE, 0, 2.0, 5.0)
