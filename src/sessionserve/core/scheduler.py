@@ -106,14 +106,17 @@ class Scheduler:
         urgent_preempted = self._preempt_for_urgent(now_s) if prioritized else []
         if urgent_preempted:
             self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
-        # Batch prefill chunks yield the budget to waiting interactive turns.
-        defer_batch = prioritized and any(s.priority == 0 and not s.is_blocked for s in self.waiting)
+        # Batch prefill chunks that rank below the first waiting interactive turn yield it the budget.
+        first_interactive = next((s for s in self.waiting if s.priority == 0 and not s.is_blocked), None) \
+            if prioritized else None
+        yield_key = self._key(first_interactive, now_s) if first_interactive is not None else None
         deferred: list[Sequence] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if defer_batch and seq.priority > 0 and seq.num_uncomputed_tokens > 1:
+            if yield_key is not None and seq.priority > 0 and seq.num_uncomputed_tokens > 1 \
+                    and self._key(seq, now_s) > yield_key:
                 deferred.append(seq)
                 i += 1
                 continue
@@ -179,6 +182,21 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new,
                                          seq.num_computed_tokens + num_new == seq.num_tokens))
             budget -= num_new
+        if not chunks and deferred and not preempted:
+            # Nothing else could run (the interactive turn waits for memory the deferred ones hold):
+            # the first deferred chunk goes ahead, preempting from the end of the order as step 2 does.
+            seq = deferred[0]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            else:
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new,
+                                             seq.num_computed_tokens + num_new == seq.num_tokens))
+                budget -= num_new
 
         return SchedulerOutput(tuple(chunks), self.config.max_num_batched_tokens - budget,
                                tuple(urgent_preempted + preempted), self.kv.block_tables)
@@ -195,11 +213,14 @@ class Scheduler:
             return []
         held = len(self.kv.block_tables.get(head.request_id, ()))
         need_blocks = max(0, self.kv.blocks_needed(head.num_tokens) - held)
+        head_key = self._key(head, now_s)
         victims: list[str] = []
         for seq in reversed(list(self.running)):
             if len(self.running) < self.config.max_num_seqs and self.kv.num_free_blocks >= need_blocks:
                 break
-            if seq.priority == 0:
+            # Only batch work that still ranks below the waiting turn: a batch sequence aged past it
+            # would be readmitted ahead of it at once (preempting it again and again, livelock).
+            if seq.priority == 0 or self._key(seq, now_s) <= head_key:
                 continue
             self.running.remove(seq)
             self._preempt(seq)
