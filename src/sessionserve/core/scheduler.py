@@ -120,21 +120,13 @@ class Scheduler:
                 deferred.append(seq)
                 i += 1
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is seq:
-                    break
-            else:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new,
-                                             seq.num_computed_tokens + num_new == seq.num_tokens))
-                scheduled_ids.add(id(seq))
-                budget -= num_new
-                i += 1
-                continue
-            break  # seq itself was preempted: nothing more fits
+            chunk = self._chunk_or_preempt(seq, budget, preempted)
+            if chunk is None:
+                break  # seq itself was preempted: nothing more fits
+            chunks.append(chunk)
+            scheduled_ids.add(id(seq))
+            budget -= chunk.num_tokens
+            i += 1
 
         # NOTE: no admissions in a step that preempted: memory is short, and
         # admitting now would only preempt again next step.
@@ -185,21 +177,28 @@ class Scheduler:
         if not chunks and deferred and not preempted:
             # Nothing else could run (the interactive turn waits for memory the deferred ones hold):
             # the first deferred chunk goes ahead, preempting from the end of the order as step 2 does.
-            seq = deferred[0]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is seq:
-                    break
-            else:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new,
-                                             seq.num_computed_tokens + num_new == seq.num_tokens))
-                budget -= num_new
+            chunk = self._chunk_or_preempt(deferred[0], budget, preempted)
+            if chunk is not None:
+                chunks.append(chunk)
+                budget -= chunk.num_tokens
 
         return SchedulerOutput(tuple(chunks), self.config.max_num_batched_tokens - budget,
                                tuple(urgent_preempted + preempted), self.kv.block_tables)
+
+    def _chunk_or_preempt(self, seq: Sequence, budget: int, preempted: list[str]) -> ScheduledChunk | None:
+        """The next chunk of running `seq`, preempting from the end of the running order until it fits.
+
+        None when `seq` itself was preempted (appended to `preempted` like every victim).
+        """
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        while self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is seq:
+                return None
+        return ScheduledChunk(seq, seq.num_computed_tokens, num_new,
+                              seq.num_computed_tokens + num_new == seq.num_tokens)
 
     def _preempt_for_urgent(self, now_s: float | None) -> list[str]:
         """Preempt batch sequences (last in order first) so the first waiting turn can start.
