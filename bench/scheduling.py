@@ -33,7 +33,7 @@ from sessionserve.workload.inproc import InprocBackend
 from sessionserve.workload.loader import load_trace
 from sessionserve.workload.metrics import percentile
 from sessionserve.workload.replay import LoadSpec, ReplayResult, replay
-from sessionserve.workload.sweep import warm_up
+from sessionserve.workload.sweep import record_engine_checks, warm_up
 from sessionserve.workload.trace import with_batch_fraction
 
 
@@ -60,11 +60,10 @@ def run_once(policy: str, sessions: Any, model_dir: Path, engine_kwargs: dict[st
              seed: int) -> dict[str, Any]:
     eng = LLMEngine(Config.from_kwargs(scheduling_policy=policy, **engine_kwargs), model_dir)
     try:
-        result = asyncio.run(replay(InprocBackend(eng), sessions, LoadSpec("closed", concurrency), seed=seed))
-        eng.kv.check_integrity()
+        result = record_engine_checks(eng, asyncio.run(replay(InprocBackend(eng), sessions,
+                                                              LoadSpec("closed", concurrency), seed=seed)))
         metrics = class_metrics(result)
-        metrics["leaked_blocks"] = eng.kv.pool.num_used_blocks
-        metrics["preemptions"] = eng.core.scheduler.num_preemptions
+        metrics.update(result.extra)
         metrics["priority_preemptions"] = eng.core.scheduler.num_priority_preemptions
         return metrics
     finally:

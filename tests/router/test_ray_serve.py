@@ -20,7 +20,7 @@ serve = pytest.importorskip("ray.serve")
 
 from sessionserve.router.ray_app import ServeOptions, build_app
 from sessionserve.router.store import SQLiteStore
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, wait_healthy
 
 ENGINE = {"num_blocks": 256, "block_size": 16, "max_num_seqs": 8, "num_threads": 1, "host_kv_bytes": 0, "disk_kv_bytes": 0}
 
@@ -48,18 +48,6 @@ class Cluster:
     base: App
 
 
-def _wait_ready(url: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready")
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("ray")
@@ -78,7 +66,7 @@ def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             apps[name] = App(f"http://127.0.0.1:{port}/{name}", SQLiteStore(db), name)
         serve.run_many(targets)  # both apps start together
         for a in apps.values():
-            _wait_ready(a.url)
+            wait_healthy(a.url)
         yield Cluster(apps["ours"], apps["base"])
     finally:
         serve.shutdown()

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.core.session import Residency, SessionState
 from sessionserve.sim.engine import SimEngine
 from sessionserve.workload.backend import StepResult
+from sessionserve.workload.inproc import fold_session_stats
 from sessionserve.workload.prompts import PromptBuilder
 from sessionserve.workload.replay import (
     KV_SAMPLE_PERIOD_S,
@@ -240,12 +241,7 @@ class SimReplay:
             self.on_session_done(live.record)
 
     def _fold_stats(self, sid: str, esid: str) -> None:
-        session = self.engine.get_session(esid)
-        if session is None:
-            return
-        acc = self._stats[sid]
-        for f in fields(session.stats):
-            acc[f.name] = acc.get(f.name, 0) + getattr(session.stats, f.name)
+        fold_session_stats(self.engine, esid, self._stats[sid])
 
     def _sample_kv(self, force: bool = False) -> None:
         now = self.clock()

@@ -14,12 +14,12 @@ from sessionserve.sim.driver import simulate
 from sessionserve.sim.engine import SimEngine
 from sessionserve.sim.profile import CostProfile
 from sessionserve.workload.progress import Progress
-from sessionserve.workload.replay import LoadSpec
-from sessionserve.workload.sweep import Runs
+from sessionserve.workload.replay import LoadSpec, ReplayResult
+from sessionserve.workload.sweep import Runs, progress_tick, record_engine_checks, sweep_policies
 from sessionserve.workload.trace import TraceSet
 
 # Options of the real engine that mean nothing to the simulator (the profile describes the model).
-MODEL_ONLY_OPTIONS = ("model", "dtype", "device", "num_threads", "seed", "pack_weights", "compile")
+MODEL_ONLY_OPTIONS = ("model", "dtype", "device", "num_threads", "seed", "pack_weights")
 
 
 def sim_config(policy: str, engine_kwargs: dict[str, Any]) -> Config:
@@ -31,17 +31,11 @@ def run_sim(trace: TraceSet, policies: Sequence[str], loads: Sequence[LoadSpec],
             engine_kwargs: dict[str, Any], *, seed: int = 0, hint_waits: bool = False,
             progress: Progress | None = None) -> Runs:
     """Simulate `trace` once per (policy, load); `engine_kwargs` as for `run_inproc`."""
-    runs: Runs = {p: [] for p in policies}
-    for load in loads:
-        for policy in policies:
-            if progress is not None:
-                progress.set_label(f"{policy} @ {load.label}")
-            eng = SimEngine(sim_config(policy, engine_kwargs), profile)
-            result = simulate(eng, trace.sessions, load, seed=seed, hint_waits=hint_waits,
-                              on_session_done=None if progress is None else (lambda _r: progress.advance()))
-            eng.kv.check_integrity()
-            result.extra["leaked_blocks"] = eng.kv.pool.num_used_blocks
-            result.extra["preemptions"] = eng.core.scheduler.num_preemptions
-            result.extra["engine_steps"] = eng.core.num_steps
-            runs[policy].append(result)
-    return runs
+    def run_one(policy: str, load: LoadSpec) -> ReplayResult:
+        eng = SimEngine(sim_config(policy, engine_kwargs), profile)
+        result = record_engine_checks(eng, simulate(eng, trace.sessions, load, seed=seed, hint_waits=hint_waits,
+                                                    on_session_done=progress_tick(progress)))
+        result.extra["engine_steps"] = eng.core.num_steps
+        return result
+
+    return sweep_policies(policies, loads, run_one, progress)

@@ -154,12 +154,7 @@ class InprocBackend:
         await self._call(lambda: self.engine.park(esid, tools, hint))
 
     def _fold_stats(self, session_id: str, esid: str) -> None:
-        session = self.engine.get_session(esid)
-        if session is None:
-            return
-        acc = self._stats[session_id]
-        for f in fields(session.stats):
-            acc[f.name] = acc.get(f.name, 0) + getattr(session.stats, f.name)
+        fold_session_stats(self.engine, esid, self._stats[session_id])
 
     async def close_session(self, session_id: str) -> dict[str, float]:
         esid = self._engine_ids.pop(session_id)
@@ -188,3 +183,12 @@ class InprocBackend:
 
     def busy_s(self) -> float | None:
         return self._busy_s
+
+
+def fold_session_stats(engine: Any, engine_session_id: str, acc: dict[str, float]) -> None:
+    """Add the counters of an engine session (real or simulated) to `acc`, by SessionStats field name."""
+    session = engine.get_session(engine_session_id)
+    if session is None:
+        return
+    for f in fields(session.stats):
+        acc[f.name] = acc.get(f.name, 0) + getattr(session.stats, f.name)

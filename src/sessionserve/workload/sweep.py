@@ -21,8 +21,29 @@ from sessionserve.workload.trace import AgentSession, Step, TraceSet
 Runs = dict[str, list[ReplayResult]]  # series (policy or server label) -> one result per load, in load order
 
 
-def _tick(progress: Progress | None) -> Callable[[SessionRecord], None] | None:
+def progress_tick(progress: Progress | None) -> Callable[[SessionRecord], None] | None:
+    """A per-session callback that advances `progress` (None without one)."""
     return None if progress is None else (lambda _rec: progress.advance())
+
+
+def sweep_policies(policies: Sequence[str], loads: Sequence[LoadSpec],
+                   run_one: Callable[[str, LoadSpec], ReplayResult], progress: Progress | None = None) -> Runs:
+    """`run_one(policy, load)` for every load and policy, loads outer; results grouped by policy."""
+    runs: Runs = {p: [] for p in policies}
+    for load in loads:
+        for policy in policies:
+            if progress is not None:
+                progress.set_label(f"{policy} @ {load.label}")
+            runs[policy].append(run_one(policy, load))
+    return runs
+
+
+def record_engine_checks(eng: Any, result: ReplayResult) -> ReplayResult:
+    """After a run on `eng` (real or simulated): check the KV pool and note leaked blocks and preemptions."""
+    eng.kv.check_integrity()
+    result.extra["leaked_blocks"] = eng.kv.pool.num_used_blocks
+    result.extra["preemptions"] = eng.core.scheduler.num_preemptions
+    return result
 
 
 def warm_up(model_dir: str | Path, engine_kwargs: dict[str, Any], seed: int = 0) -> None:
@@ -45,22 +66,16 @@ def run_inproc(trace: TraceSet, policies: Sequence[str], loads: Sequence[LoadSpe
     from sessionserve.config import Config
     from sessionserve.llm_engine import LLMEngine
 
-    runs: Runs = {p: [] for p in policies}
-    for load in loads:
-        for policy in policies:
-            if progress is not None:
-                progress.set_label(f"{policy} @ {load.label}")
-            eng = LLMEngine(Config.from_kwargs(residency_policy=policy, **engine_kwargs), model_dir)
-            try:
-                result = asyncio.run(replay(InprocBackend(eng, hint_waits), trace.sessions, load, seed=seed,
-                                            on_session_done=_tick(progress)))
-                eng.kv.check_integrity()
-                result.extra["leaked_blocks"] = eng.kv.pool.num_used_blocks
-                result.extra["preemptions"] = eng.core.scheduler.num_preemptions
-            finally:
-                eng.close()
-            runs[policy].append(result)
-    return runs
+    def run_one(policy: str, load: LoadSpec) -> ReplayResult:
+        eng = LLMEngine(Config.from_kwargs(residency_policy=policy, **engine_kwargs), model_dir)
+        try:
+            return record_engine_checks(eng, asyncio.run(replay(
+                InprocBackend(eng, hint_waits), trace.sessions, load, seed=seed,
+                on_session_done=progress_tick(progress))))
+        finally:
+            eng.close()
+
+    return sweep_policies(policies, loads, run_one, progress)
 
 
 def run_http(trace: TraceSet, label: str, loads: Sequence[LoadSpec], make_backend: Callable[[], Backend], *,
@@ -71,7 +86,7 @@ def run_http(trace: TraceSet, label: str, loads: Sequence[LoadSpec], make_backen
         if progress is not None:
             progress.set_label(f"{label} @ {load.label}")
         backend = make_backend()
-        result = asyncio.run(replay(backend, trace.sessions, load, seed=seed, on_session_done=_tick(progress)))
+        result = asyncio.run(replay(backend, trace.sessions, load, seed=seed, on_session_done=progress_tick(progress)))
         stand_ins = getattr(backend, "num_stand_in_steps", None)
         if stand_ins is not None:
             result.extra["stand_in_output_steps"] = stand_ins

@@ -58,24 +58,16 @@ def test_bad_policy_values_raise() -> None:
         priority_rank("urgent")
 
 
-def test_interactive_is_admitted_before_earlier_batch() -> None:
-    sched = create_scheduler(max_num_batched_tokens=16)
+@pytest.mark.parametrize("policy,interactive_first", [("priority", True), ("fcfs", False)])
+def test_admission_order_interactive_first_or_arrival(policy: str, interactive_first: bool) -> None:
+    sched = create_scheduler(max_num_batched_tokens=16, scheduling_policy=policy)
     batch = create_seq(12, priority=BATCH, arrival_s=0.0)
     inter = create_seq(12, priority=INTERACTIVE, arrival_s=1.0)
     sched.add(batch)
     sched.add(inter)
     plan, _ = run_step(sched, now_s=1.0)
-    assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(inter, 12), (batch, 4)]
-
-
-def test_fcfs_admits_in_arrival_order() -> None:
-    sched = create_scheduler(max_num_batched_tokens=16, scheduling_policy="fcfs")
-    batch = create_seq(12, priority=BATCH, arrival_s=0.0)
-    inter = create_seq(12, priority=INTERACTIVE, arrival_s=1.0)
-    sched.add(batch)
-    sched.add(inter)
-    plan, _ = run_step(sched, now_s=1.0)
-    assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(batch, 12), (inter, 4)]
+    first, second = (inter, batch) if interactive_first else (batch, inter)
+    assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(first, 12), (second, 4)]
 
 
 def test_running_batch_prefill_yields_budget_to_waiting_interactive() -> None:
