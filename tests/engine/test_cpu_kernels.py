@@ -90,3 +90,37 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_embedding() -> None:
         assert not any(type(m) is nn.Linear for m in model.modules())
         torch.testing.assert_close(model.head(model.inner(model.embed(ids))), expected, atol=1e-5, rtol=1e-5)
     assert model.embed.weight.shape == (50, 16)
+
+
+def _dense_paged_reference(q, k_cache, v_cache, tables, seq_idx, pos, scale):
+    T, H, D = q.shape
+    Hkv, BS = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(T, H, D)
+    for t in range(T):
+        ctx = int(pos[t]) + 1
+        blocks = tables[int(seq_idx[t])].long()
+        k = k_cache[blocks].float().permute(1, 0, 2, 3).reshape(Hkv, -1, D)[:, :ctx]
+        v = v_cache[blocks].float().permute(1, 0, 2, 3).reshape(Hkv, -1, D)[:, :ctx]
+        qt = q[t].float().view(Hkv, H // Hkv, D)
+        out[t] = (torch.softmax(qt @ k.transpose(1, 2) * scale, -1) @ v).reshape(H, D)
+    return out
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim,group,block", [(64, 3, 16), (32, 1, 8), (128, 4, 32), (48, 2, 16)])
+def test_paged_attention_matches_dense_softmax(dtype, atol, head_dim, group, block) -> None:
+    """Scattered blocks, partial last blocks, GQA groups, the 16-lane path and the scalar one (D=48)."""
+    g = torch.Generator().manual_seed(head_dim * group + block)
+    Hkv, S, max_ctx = 2, 5, 150
+    mb = -(-max_ctx // block)
+    k_cache = (torch.randn(S * mb + 3, Hkv, block, head_dim, generator=g) * 2).to(dtype)
+    v_cache = torch.randn(S * mb + 3, Hkv, block, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(S * mb + 3, generator=g)[:S * mb].view(S, mb).to(torch.int32)
+    # decode-like queries at assorted lengths plus several queries of one sequence (a prefill chunk)
+    seq_idx = torch.tensor([0, 1, 2, 3, 4, 4, 4], dtype=torch.int32)
+    pos = torch.tensor([0, block - 1, block, 149, 77, 78, 79], dtype=torch.int32)
+    q = (torch.randn(len(pos), Hkv * group, head_dim, generator=g) * 3).to(dtype)
+    scale = head_dim ** -0.5
+    got = paged_kernel.paged_attention(q, k_cache, v_cache, tables, seq_idx, pos, scale)
+    expected = _dense_paged_reference(q, k_cache, v_cache, tables, seq_idx, pos, scale)
+    torch.testing.assert_close(got.float(), expected, atol=atol, rtol=0)
