@@ -14,6 +14,15 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--speculative-method", choices=("none", "ngram", "draft"), default="none",
+                        help="speculative decoding: prompt lookup (ngram) or a draft model")
+    parser.add_argument("--draft-model", default=None, help="draft model folder (same tokenizer) for --speculative-method draft")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="most tokens proposed per step")
+
+
+def _spec_kwargs(args: argparse.Namespace) -> dict:
+    return dict(speculative_method=args.speculative_method, draft_model=args.draft_model,
+                num_speculative_tokens=args.num_speculative_tokens)
 
 
 def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - imports torch lazily
@@ -21,7 +30,7 @@ def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - imports torch lazily
 
     return LLM(model=args.model, kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-               dtype=args.dtype, device=args.device)
+               dtype=args.dtype, device=args.device, **_spec_kwargs(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -46,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, dtype=args.dtype,
         device=args.device, residency_policy=args.residency_policy, host_kv_bytes=args.host_kv_bytes,
-        disk_kv_bytes=args.disk_kv_bytes, spool_dir=args.spool_dir))
+        disk_kv_bytes=args.disk_kv_bytes, spool_dir=args.spool_dir, **_spec_kwargs(args)))
     engine = LLMEngine(config, resolve_model_path(args.model))
     app = create_app(engine, model_name=args.served_model_name, auth=Auth.from_options(args.api_key, args.keys_file),
                      max_queued_requests=args.max_queued_requests, tracer=Tracer(args.trace))

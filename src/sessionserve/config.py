@@ -137,6 +137,38 @@ class SessionConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: proposed tokens verified by the model in one forward (core/spec.py)."""
+
+    # "none" | "ngram": prompt lookup in the sequence's own context, no second model |
+    # "draft": a smaller model with the same tokenizer (`draft_model`) proposes.
+    speculative_method: str = "none"
+    # Most tokens proposed per sequence per step.
+    num_speculative_tokens: int = 4
+    # Fewer tokens (down to none) for sequences whose drafts are seldom accepted.
+    spec_adaptive: bool = True
+    # Prompt lookup: the longest and shortest context suffix to look up.
+    ngram_max: int = 4
+    ngram_min: int = 1
+    # Draft model folder (HF format, same vocabulary as the target).
+    draft_model: str | None = None
+    # The draft model's own KV budget (it keeps the context of every drafting sequence).
+    draft_kv_cache_bytes: int = 256 * MiB
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in ("none", "ngram", "draft"):
+            raise ValueError(f"speculative_method must be none|ngram|draft, got {self.speculative_method!r}")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method 'draft' needs draft_model (a model folder)")
+        if self.draft_kv_cache_bytes <= 0:
+            raise ValueError("draft_kv_cache_bytes must be positive")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole engine configuration."""
 
@@ -144,6 +176,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     session: SessionConfig = field(default_factory=SessionConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> Config:
@@ -151,31 +184,20 @@ class Config:
 
         Each name must belong to exactly one sub-config; unknown names raise.
         """
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "session": {}}
-        owners = {
-            f.name: part
-            for part, klass in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                                ("session", SessionConfig))
-            for f in fields(klass)
-        }
+        parts: dict[str, dict[str, Any]] = {part: {} for part in _PARTS}
+        owners = {f.name: part for part, klass in _PARTS.items() for f in fields(klass)}
         for name, value in kwargs.items():
             if name not in owners:
                 raise TypeError(f"unknown engine option {name!r}")
             parts[owners[name]][name] = value
-        return cls(
-            model=ModelConfig(**parts["model"]),
-            cache=CacheConfig(**parts["cache"]),
-            scheduler=SchedulerConfig(**parts["scheduler"]),
-            session=SessionConfig(**parts["session"]),
-        )
+        return cls(**{part: klass(**parts[part]) for part, klass in _PARTS.items()})
 
     @classmethod
     def from_env(cls, base: Config | None = None, environ: dict[str, str] | None = None) -> Config:
         """Overlay SESSIONSERVE_* variables (e.g. SESSIONSERVE_KV_CACHE_BYTES) on `base`."""
         env = os.environ if environ is None else environ
         config = base or cls()
-        subs = {"model": config.model, "cache": config.cache, "scheduler": config.scheduler,
-                "session": config.session}
+        subs = {part: getattr(config, part) for part in _PARTS}
         for part, sub in list(subs.items()):
             updates: dict[str, Any] = {}
             for f in fields(sub):
@@ -185,6 +207,10 @@ class Config:
             if updates:
                 subs[part] = replace(sub, **updates)
         return cls(**subs)
+
+
+_PARTS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                           "session": SessionConfig, "speculative": SpeculativeConfig}
 
 
 def _parse(raw: str, current: Any) -> Any:

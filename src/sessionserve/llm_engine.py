@@ -9,7 +9,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sessionserve.cache.disk_tier import DiskTier
@@ -20,10 +20,11 @@ from sessionserve.cache.mover import ThreadMover
 from sessionserve.config import Config
 from sessionserve.core.engine import EngineCore
 from sessionserve.core.residency import MoveCosts, make_policy
-from sessionserve.core.session import Session, Tier
-from sessionserve.core.session_manager import SessionManager
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.core.sequence import Sequence, SequenceStatus
+from sessionserve.core.session import Session, Tier
+from sessionserve.core.session_manager import SessionManager
+from sessionserve.core.spec import NgramProposer, Proposer, SpecPolicy
 from sessionserve.model.runner import ModelRunner
 from sessionserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -90,8 +91,9 @@ class LLMEngine:
         self.sessions = SessionManager(self.kv, self.mover, make_policy(config.session.residency_policy),
                                        idle_ttl_s=config.session.session_idle_ttl_s,
                                        max_sessions=config.session.max_sessions)
+        proposer, spec_policy = self._make_proposer(config)
         self.core = EngineCore(config.scheduler, self.kv, self.runner, clock, tuple(eos), self.runner.max_model_len,
-                               sessions=self.sessions)
+                               sessions=self.sessions, proposer=proposer, spec_policy=spec_policy)
         self._clock = clock
         self._tracked: dict[str, _Tracked] = {}
         self._next_id = 0
@@ -132,6 +134,22 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         self._tracked[rid] = _Tracked(seq, text, detok)
         return rid
+
+    def _make_proposer(self, config: Config) -> tuple[Proposer | None, SpecPolicy]:
+        spec = config.speculative
+        gpu = self.runner.device.type == "cuda"
+        policy = SpecPolicy(max_tokens=spec.num_speculative_tokens, adaptive=spec.spec_adaptive,
+                            saturation_tokens=256 if gpu else 16)
+        if spec.speculative_method == "ngram":
+            return NgramProposer(spec.ngram_max, spec.ngram_min), policy
+        if spec.speculative_method == "draft":
+            from sessionserve.model.drafter import DraftProposer
+
+            assert spec.draft_model is not None
+            drafter = DraftProposer(spec.draft_model, config.model, spec.draft_kv_cache_bytes,
+                                    config.cache.block_size, self.runner)
+            return drafter, replace(policy, draft_cost=drafter.relative_cost)
+        return None, policy
 
     def _make_mover(self, config: Config) -> ThreadMover | None:
         sc = config.session

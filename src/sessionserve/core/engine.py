@@ -18,6 +18,7 @@ from sessionserve.core.scheduler import Scheduler, SchedulerOutput
 from sessionserve.core.sequence import Sequence, SequenceStatus
 from sessionserve.core.session import Session
 from sessionserve.core.session_manager import SessionManager
+from sessionserve.core.spec import Proposer, SpecPolicy
 
 
 @dataclass(slots=True)
@@ -34,7 +35,8 @@ class EngineCore:
 
     def __init__(self, scheduler_config: SchedulerConfig, kv: KVCacheManager, executor: Executor,
                  clock: Callable[[], float], eos_token_ids: tuple[int, ...], max_model_len: int,
-                 sessions: SessionManager | None = None) -> None:
+                 sessions: SessionManager | None = None, proposer: Proposer | None = None,
+                 spec_policy: SpecPolicy | None = None) -> None:
         self.kv = kv
         self.scheduler = Scheduler(scheduler_config, kv)
         self.executor = executor
@@ -46,6 +48,13 @@ class EngineCore:
         self.sessions = sessions
         # Measured seconds per prefilled token (EMA over prefill-heavy steps): the recompute cost.
         self.prefill_s_per_token: float | None = None
+        # Speculative decoding (core/spec.py): who proposes, how many, and what came of it.
+        self.proposer = proposer
+        self.spec_policy = spec_policy or SpecPolicy()
+        self.num_spec_proposed = 0
+        self.num_spec_accepted = 0
+        self.num_spec_steps = 0  # sequence-steps that verified at least one proposed token
+        self.execute_s: float | None = None  # EMA of the executor's time per step (the draft cost's unit)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     salt: bytes = b"", session_id: str | None = None, priority: str | None = None) -> Sequence:
@@ -100,6 +109,31 @@ class EngineCore:
             if self.sessions is not None and seq.session_id is not None:
                 self.sessions.end_turn(seq, seq.finished_s)
 
+    def _propose(self) -> None:
+        """Ask the proposer for tokens for every running decode that may draft, k per the policy."""
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        batch = len(self.scheduler.running)
+        forward_s = self.proposer.forward_s if self.proposer is not None else None
+        draft_cost = forward_s / self.execute_s if forward_s is not None and self.execute_s else None
+        for seq in self.scheduler.running:
+            seq.spec_token_ids.clear()
+            seq.spec_probs = None
+            params = seq.sampling_params
+            if seq.num_uncomputed_tokens != 1 or not params.can_speculate \
+                    or seq.num_output_tokens < params.min_tokens:
+                continue
+            remaining = min(params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens)
+            k = self.spec_policy.num_draft_tokens(seq.spec_acceptance, remaining, batch, draft_cost)
+            if k > 0:
+                seqs.append(seq)
+                counts.append(k)
+            else:
+                seq.spec_acceptance = self.spec_policy.update(seq.spec_acceptance, 0, 0)
+        if seqs:
+            assert self.proposer is not None
+            self.proposer.propose(seqs, counts)
+
     # -- sessions ---------------------------------------------------------------------------
 
     def open_session(self, session_id: str, tenant: str = "", priority: str = "interactive") -> Session:
@@ -126,6 +160,8 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         """Run one step. Returns the sequences that got a token or finished."""
+        if self.proposer is not None:
+            self._propose()
         plan: SchedulerOutput = self.scheduler.schedule(self.clock())
         if plan.is_empty:
             if self.sessions is not None:
@@ -137,9 +173,11 @@ class EngineCore:
         for chunk in plan.chunks:
             if chunk.seq.first_scheduled_s is None:
                 chunk.seq.first_scheduled_s = t0
+        num_before = {chunk.seq: chunk.seq.num_tokens for chunk in plan.chunks if chunk.num_spec}
         result = self.executor.execute(plan)
-        finished = self.scheduler.update(plan, result.sampled)
+        finished = self.scheduler.update(plan, result.sampled, result.accepted)
         now = self.clock()
+        self.execute_s = now - t0 if self.execute_s is None else 0.9 * self.execute_s + 0.1 * (now - t0)
         if plan.num_batched_tokens >= 64:
             sample = (now - t0) / plan.num_batched_tokens
             prev = self.prefill_s_per_token
@@ -157,7 +195,16 @@ class EngineCore:
                 if seq.logprobs is None:
                     seq.logprobs = []
                 seq.logprobs.append(result.logprobs.get(seq.request_id, {}))
-            outputs.append(StepOutput(seq, [token], seq.is_finished))
+            new_ids = [token]
+            if chunk.num_spec:
+                num_accepted = len(result.accepted.get(seq.request_id, []))
+                seq.spec_acceptance = self.spec_policy.update(seq.spec_acceptance, chunk.num_spec, num_accepted)
+                self.num_spec_proposed += chunk.num_spec
+                self.num_spec_accepted += num_accepted
+                self.num_spec_steps += 1
+                # accepted drafts, then the target's own token, cut where a stop ended the sequence
+                new_ids = (result.accepted.get(seq.request_id, []) + [token])[:seq.num_tokens - num_before[seq]]
+            outputs.append(StepOutput(seq, new_ids, seq.is_finished))
         for seq in finished:
             seq.finished_s = now
             self.requests.pop(seq.request_id, None)

@@ -17,6 +17,9 @@ class ExecutorOutput(NamedTuple):
     sampled: dict[str, int]
     # request id -> {token id: logprob}: the chosen token and the top-n, when asked for.
     logprobs: dict[str, dict[int, float]]
+    # request id -> the proposed tokens the target accepted, for chunks that verified drafts;
+    # they come before the sampled token.
+    accepted: dict[str, list[int]] = {}  # noqa: RUF012 - never mutated
 
 
 class Executor(Protocol):

@@ -33,6 +33,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Structured output: the text must match this constraint (JSON, a schema, tool calls).
     guided: GuidedDecoding | None = None
+    # Let the server draft tokens for this request when speculative decoding is on (False: opt out).
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +62,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def can_speculate(self) -> bool:
+        """Drafted tokens are verified by plain sampling: not with per-token logits edits or logprobs."""
+        return self.speculate and self.guided is None and self.logprobs is None and not self.logit_bias
 
 
 def _check(ok: bool, name: str, why: str) -> None:

@@ -38,6 +38,8 @@ class ScheduledChunk:
     num_tokens: int
     # The chunk reaches the sequence's last token, so a next token is sampled.
     samples: bool
+    # Of num_tokens, this many at the end are proposed tokens (seq.spec_token_ids) to verify.
+    num_spec: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,14 +193,20 @@ class Scheduler:
         None when `seq` itself was preempted (appended to `preempted` like every victim).
         """
         num_new = min(seq.num_uncomputed_tokens, budget)
-        while self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
+        # A decode with proposed tokens verifies them in the same chunk, if budget and free blocks
+        # allow; drafts are dropped before anything is preempted for them.
+        num_spec = min(len(seq.spec_token_ids), budget - num_new) if seq.num_uncomputed_tokens == 1 else 0
+        if num_spec > 0 and self.kv.allocate(seq.request_id, seq.num_computed_tokens + 1 + num_spec) is None:
+            num_spec = 0
+        del seq.spec_token_ids[num_spec:]
+        while num_spec == 0 and self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is seq:
                 return None
-        return ScheduledChunk(seq, seq.num_computed_tokens, num_new,
-                              seq.num_computed_tokens + num_new == seq.num_tokens)
+        return ScheduledChunk(seq, seq.num_computed_tokens, num_new + num_spec,
+                              seq.num_computed_tokens + num_new == seq.num_tokens, num_spec)
 
     def _preempt_for_urgent(self, now_s: float | None) -> list[str]:
         """Preempt batch sequences (last in order first) so the first waiting turn can start.
@@ -227,26 +235,44 @@ class Scheduler:
             victims.append(seq.request_id)
         return victims
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int],
+               accepted: Mapping[str, list[int]] | None = None) -> list[Sequence]:
         """Apply a finished step: advance progress, append sampled tokens, stop. Returns finished sequences.
 
-        `sampled` maps request id -> token for every chunk that `samples`.
+        `sampled` maps request id -> token for every chunk that `samples`;
+        `accepted` maps request id -> the proposed tokens the target accepted
+        (a prefix of seq.spec_token_ids), which come before the sampled token.
         """
         finished: list[Sequence] = []
         for chunk in output.chunks:
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            seq.program.service_tokens += chunk.num_tokens
             token = sampled.get(seq.request_id)
-            if token is not None:
-                seq.token_ids.append(token)
-                status = seq.check_stop(token)
+            new_tokens = [] if token is None else [token]
+            num_kept = chunk.num_tokens
+            if chunk.num_spec:
+                drafts = accepted.get(seq.request_id, []) if accepted is not None else []
+                new_tokens = drafts + new_tokens
+                num_kept = chunk.num_tokens - chunk.num_spec + len(drafts)  # rejected drafts' KV is stale
+                seq.num_spec_proposed += chunk.num_spec
+                seq.num_spec_accepted += len(drafts)
+            seq.spec_token_ids.clear()
+            seq.num_computed_tokens = chunk.start + num_kept
+            seq.program.service_tokens += chunk.num_tokens
+            status = None
+            for tok in new_tokens:
+                seq.token_ids.append(tok)
+                status = seq.check_stop(tok)
                 if status is not None:
-                    self.finish(seq, status)
-                    finished.append(seq)
-                    continue
+                    break
+            if status is not None:
+                # Accepted drafts computed past the stop are not part of the sequence; the last token
+                # counts as uncomputed even when it was an accepted draft, as after any other step.
+                seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
+                self.finish(seq, status)
+                finished.append(seq)
+                continue
             self.kv.commit_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.salt)
         return finished
 

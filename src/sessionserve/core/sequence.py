@@ -64,6 +64,14 @@ class Sequence:
     service_at_arrival: int = 0
     # Per generated token: {token_id: logprob} for the top-n, plus the chosen token.
     logprobs: list[dict[int, float]] | None = field(default=None)
+    # Speculative decoding: tokens proposed for the next step (not part of token_ids until the
+    # target accepts them), the proposer's distributions for them (None: deterministic proposals),
+    # the running per-token acceptance estimate and counters.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: object | None = None
+    spec_acceptance: float | None = None
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -18,7 +18,7 @@ from sessionserve.model.decoder import DecoderModel
 from sessionserve.model.hf_config import ModelArch, load_arch
 from sessionserve.model.loader import load_weights
 from sessionserve.model.packed_linear import pack_linears, packing_supported
-from sessionserve.model.sampler import SampleRow, sample, top_logprobs
+from sessionserve.model.sampler import SampleRow, sample, top_logprobs, verify_sampled
 
 if TYPE_CHECKING:  # xgrammar takes seconds to import: loaded on the first guided request
     from sessionserve.model.structured import Constraint, GrammarCompiler
@@ -102,7 +102,54 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
         input_ids, positions, meta, logits_rows, sampled_seqs = self.prepare_batch(plan)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_rows)  # (S, V)
+        all_logits = self.model(input_ids, positions, self.kv_caches, meta, logits_rows)  # (S + spec rows, V)
+        logits = all_logits[:len(sampled_seqs)]
+        sampled, accepted = self._verify_drafts(plan, all_logits[len(sampled_seqs):])
+        if sampled_seqs:
+            normal = self._sample(logits, sampled_seqs)
+            sampled.update(normal.sampled)
+            return ExecutorOutput(sampled, normal.logprobs, accepted)
+        return ExecutorOutput(sampled, {}, accepted)
+
+    def forward_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+        """Logits (S, V) of the plan's sampling chunks, no sampling (a drafter samples its own way)."""
+        with torch.inference_mode():
+            input_ids, positions, meta, logits_rows, sampled_seqs = self.prepare_batch(plan)
+            return self.model(input_ids, positions, self.kv_caches, meta, logits_rows), sampled_seqs
+
+    def _verify_drafts(self, plan: SchedulerOutput, logits: torch.Tensor) -> tuple[
+            dict[str, int], dict[str, list[int]]]:
+        """For each chunk with proposed tokens: the accepted prefix and the target's next token.
+
+        `logits` holds 1 + num_spec rows per such chunk, in plan order.
+        """
+        sampled: dict[str, int] = {}
+        accepted: dict[str, list[int]] = {}
+        if logits.shape[0] == 0:
+            return sampled, accepted
+        greedy_ids = logits.argmax(dim=-1).tolist()
+        row = 0
+        for chunk in plan.chunks:
+            if not chunk.num_spec:
+                continue
+            seq, k = chunk.seq, chunk.num_spec
+            drafts = seq.spec_token_ids[:k]
+            rows = logits[row:row + k + 1]
+            if seq.sampling_params.is_greedy:
+                targets = greedy_ids[row:row + k + 1]
+                a = 0
+                while a < k and drafts[a] == targets[a]:
+                    a += 1
+                keep, token = drafts[:a], targets[a]
+            else:
+                probs = seq.spec_probs[:k] if isinstance(seq.spec_probs, torch.Tensor) else None
+                keep, token = verify_sampled(rows, drafts, probs, self._sample_row(seq))
+            accepted[seq.request_id] = keep
+            sampled[seq.request_id] = token
+            row += k + 1
+        return sampled, accepted
+
+    def _sample(self, logits: torch.Tensor, sampled_seqs: list[Sequence]) -> ExecutorOutput:
         want = [i for i, seq in enumerate(sampled_seqs) if seq.sampling_params.logprobs is not None]
         sample_logits, constraints = logits, None
         if any(seq.sampling_params.guided is not None for seq in sampled_seqs):
@@ -145,13 +192,18 @@ class ModelRunner:
         paged_ctx: list[int] = []
         paged_spans: list[tuple[int, int]] = []
         logits_rows: list[int] = []
+        spec_rows: list[int] = []
         sampled_seqs: list[Sequence] = []
         for chunk in plan.chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             table = plan.block_tables[seq.request_id]
             row0 = len(input_ids)
             end = start + n
-            input_ids.extend(seq.token_ids[start:end])
+            if chunk.num_spec:
+                input_ids.extend(seq.token_ids[start:end - chunk.num_spec])
+                input_ids.extend(seq.spec_token_ids[:chunk.num_spec])
+            else:
+                input_ids.extend(seq.token_ids[start:end])
             pos = range(start, end)
             positions.extend(pos)
             slot_block.extend(table[p // bs] for p in pos)
@@ -165,9 +217,12 @@ class ModelRunner:
                 paged_pos.extend(pos)
                 paged_tables.append(table[: -(-end // bs)])
                 paged_ctx.append(end)
-            if chunk.samples:
+            if chunk.num_spec:
+                spec_rows.extend(range(row0 + n - 1 - chunk.num_spec, row0 + n))
+            elif chunk.samples:
                 logits_rows.append(row0 + n - 1)
                 sampled_seqs.append(seq)
+        logits_rows.extend(spec_rows)  # verification rows come after the sampled ones
         dev = self.device
         meta = AttentionMetadata(
             slot_block=torch.tensor(slot_block, dtype=torch.long, device=dev),

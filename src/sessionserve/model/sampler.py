@@ -76,3 +76,41 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num: int) -> list[d
                 row.setdefault(int(idx), float(value))
         result.append(row)
     return result
+
+
+def verify_sampled(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
+                   row: SampleRow) -> tuple[list[int], int]:
+    """Speculative sampling: the accepted prefix of `drafts` and one more token from the target.
+
+    `logits` (k + 1, V): the target's logits at the last token and at each
+    draft; `draft_probs` (k, V): the proposer's distributions (None: each draft
+    was proposed with certainty, as prompt lookup does). Draft i is kept with
+    probability min(1, p(d) / q(d)); at the first rejection the token is drawn
+    from the residual max(0, p - q), renormalised; if all are kept, from the
+    target's next distribution. The output is distributed exactly as sampling
+    the target alone (Leviathan et al. 2023, Chen et al. 2023).
+    """
+    params = row.params
+    logits = logits.float()
+    probs = torch.stack([logits_to_probs(logits[i], params.temperature, params.top_k, params.top_p, params.min_p)
+                         for i in range(logits.shape[0])])
+    gen = row.generator
+    uniforms = torch.rand(len(drafts), generator=gen, device=probs.device).tolist()
+    for i, d in enumerate(drafts):
+        p = probs[i]
+        q_d = float(draft_probs[i, d]) if draft_probs is not None else 1.0
+        p_d = float(p[d])
+        if q_d > 0 and uniforms[i] * q_d < p_d:
+            continue
+        if draft_probs is not None:
+            residual = (p - draft_probs[i].to(p.dtype)).clamp_(min=0)
+        else:
+            residual = p.clone()
+            residual[d] = 0
+        total = float(residual.sum())
+        if total <= 0:  # p == q up to rounding: any draw from p is exact
+            residual = p
+        token = int(torch.multinomial(residual, 1, generator=gen))
+        return drafts[:i], token
+    token = int(torch.multinomial(probs[len(drafts)], 1, generator=gen))
+    return list(drafts), token

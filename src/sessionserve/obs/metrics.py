@@ -43,6 +43,9 @@ class Metrics:
                               "opened, evicted, open", ["what"], registry=r)
         self.prefetch = Gauge("sessionserve_session_restores", "Session KV restores by outcome", ["outcome"],
                               registry=r)
+        self.spec_tokens = Gauge("sessionserve_spec_decode_tokens",
+                                 "Speculative decoding: tokens proposed, accepted; verification steps",
+                                 ["what"], registry=r)
         self.step_seconds = Histogram("sessionserve_engine_step_seconds", "Engine step time",
                                       buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
                                       registry=r)
@@ -74,6 +77,10 @@ class Metrics:
             self.sessions.labels(key).set(usage.get(f"sessions_{key}", 0))
         q, hit, _ = eng.kv.pool.stats()
         self.prefix_hit_rate.set(hit / q if q else 0.0)
+        core = eng.core
+        self.spec_tokens.labels("proposed").set(core.num_spec_proposed)
+        self.spec_tokens.labels("accepted").set(core.num_spec_accepted)
+        self.spec_tokens.labels("steps").set(core.num_spec_steps)
         total = eng.sessions.total_stats()
         self.recompute_tokens.set(total.num_recompute_tokens)
         self.prefetch.labels("hit").set(total.num_prefetch_hits)

@@ -165,6 +165,7 @@ def sampling_kwargs(req: ChatCompletionRequest | CompletionRequest, default_max_
         "min_tokens": min_tokens,
         "logprobs": logprobs,
         "logit_bias": dict(req.logit_bias or {}),
+        "speculate": req.speculate is not False,
     }
 
 

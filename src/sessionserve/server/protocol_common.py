@@ -191,6 +191,8 @@ class SamplingRequest(RequestModel):
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # Speculative decoding opt-out for this request (the server drafts only when started with it).
+    speculate: bool | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

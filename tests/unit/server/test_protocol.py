@@ -163,11 +163,11 @@ def test_sampling_kwargs_defaults_and_mapping() -> None:
     SamplingParams(**kw)
     req = P.parse_chat_request(chat(max_tokens=5, temperature=0, top_p=0.9, seed=7, stop="END", logprobs=True,
                                     top_logprobs=3, logit_bias={"11": 5}, ignore_eos=True, min_tokens=2, top_k=4,
-                                    min_p=0.1, stop_token_ids=[2]))
+                                    min_p=0.1, stop_token_ids=[2], speculate=False))
     kw = P.sampling_kwargs(req, default_max_tokens=1000)
     assert kw == {"max_tokens": 5, "temperature": 0.0, "top_p": 0.9, "top_k": 4, "min_p": 0.1, "seed": 7,
                   "stop": ("END",), "stop_token_ids": (2,), "ignore_eos": True, "min_tokens": 2, "logprobs": 3,
-                  "logit_bias": {11: 5.0}}
+                  "logit_bias": {11: 5.0}, "speculate": False}
     assert SamplingParams(**kw).is_greedy
     # logprobs without top_logprobs: the sampled token's only.
     assert P.sampling_kwargs(P.parse_chat_request(chat(logprobs=True)), 10)["logprobs"] == 0
