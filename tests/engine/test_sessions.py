@@ -279,3 +279,34 @@ def test_every_policy_under_memory_pressure_is_exact_and_clean(tiny_llama: Path,
     host = tight.mover.host
     assert host.used_bytes <= host.budget_bytes
     tight.close()
+
+
+def test_forks_equal_independent_sessions_and_share_blocks(tiny_llama: Path, tmp_path: Path) -> None:
+    """Two sub-agents forked from one parent: each continues exactly as a fresh session given the same
+    history would (greedy), while the history's full blocks are held once."""
+    history, branch_a, branch_b = turns(21), turns(22, 1)[0], turns(23, 1)[0]
+    eng = make_engine(tiny_llama, tmp_path, residency_policy="keep", host_kv_bytes=0, disk_kv_bytes=0)
+    parent = eng.open_session()
+    for new in history:
+        run_to_end(eng, eng.add_request(new, GREEDY, session_id=parent))
+    full = eng.get_session(parent).token_ids
+    child_a, child_b = eng.fork_session(parent), eng.fork_session(parent)
+    rid_a = eng.add_request(branch_a, GREEDY, session_id=child_a)
+    rid_b = eng.add_request(branch_b, GREEDY, session_id=child_b)
+    eng.step()  # both prefills in one step: the shared history comes from the prefix cache
+    shared = set(eng.kv.block_tables[rid_a]) & set(eng.kv.block_tables[rid_b]) \
+        & set(eng.kv.block_tables[eng.get_session(parent).kv_key])
+    assert len(shared) == len(full) // 16 > 0
+    done: dict[str, list[int]] = {}
+    while len(done) < 2:
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    out_a, out_b = done[rid_a], done[rid_b]
+    assert eng.get_session(parent).token_ids == full  # the parent is untouched
+
+    ref = make_engine(tiny_llama, tmp_path / "ref", host_kv_bytes=0, disk_kv_bytes=0, enable_prefix_caching=False)
+    for branch, got in ((branch_a, out_a), (branch_b, out_b)):
+        sid = ref.open_session()
+        assert run_to_end(ref, ref.add_request(full + branch, GREEDY, session_id=sid)) == got
+    for sid in (parent, child_a, child_b):
+        assert eng.close_session(sid)
+    assert_clean(eng)
