@@ -107,9 +107,9 @@ def _dense_paged_reference(q, k_cache, v_cache, tables, seq_idx, pos, scale):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("head_dim,group,block", [(64, 3, 16), (32, 1, 8), (128, 4, 32), (48, 2, 16)])
+@pytest.mark.parametrize("head_dim,group,block", [(64, 3, 16), (32, 1, 8), (128, 4, 32), (80, 2, 64)])
 def test_paged_attention_matches_dense_softmax(dtype, atol, head_dim, group, block) -> None:
-    """Scattered blocks, partial last blocks, GQA groups, the 16-lane path and the scalar one (D=48)."""
+    """Scattered blocks, partial last blocks, GQA groups, block sizes other than the vector width."""
     g = torch.Generator().manual_seed(head_dim * group + block)
     Hkv, S, max_ctx = 2, 5, 150
     mb = -(-max_ctx // block)
@@ -124,3 +124,13 @@ def test_paged_attention_matches_dense_softmax(dtype, atol, head_dim, group, blo
     got = paged_kernel.paged_attention(q, k_cache, v_cache, tables, seq_idx, pos, scale)
     expected = _dense_paged_reference(q, k_cache, v_cache, tables, seq_idx, pos, scale)
     torch.testing.assert_close(got.float(), expected, atol=atol, rtol=0)
+
+
+def test_paged_attention_shape_limits() -> None:
+    assert paged_kernel.supports(12, 4, 64) and paged_kernel.supports(32, 8, 128)
+    assert not paged_kernel.supports(12, 4, 40) and not paged_kernel.supports(64, 2, 64)
+    q = torch.zeros(1, 2, 40)
+    cache = torch.zeros(2, 1, 16, 40)
+    with pytest.raises(RuntimeError, match="shape out of kernel limits"):
+        paged_kernel.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                     torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 1.0)

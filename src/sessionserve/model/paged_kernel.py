@@ -6,10 +6,10 @@ Decode attention is memory-bound: every step reads each running sequence's
 whole context. Gathering the context into a contiguous tensor first (what a
 torch-only path must do) reads and writes it once more. This kernel streams
 keys and values straight out of the block pool with an online softmax, and the
-query heads that share a KV head (GQA) share each read. Head sizes that are a
-multiple of 16 take a path written on 16-float vectors (scores, exp and the
-weighted sum of values all vectorised); others take a scalar loop. Work is
-split over (token, KV head) pairs on torch's OpenMP thread pool.
+query heads that share a KV head (GQA) share each read. It is written on
+16-float vectors (scores, exp and the weighted sum of values), so head sizes
+must be a multiple of 16 (`supports`); other shapes use the gather path. Work
+is split over (token, KV head) pairs on torch's OpenMP thread pool.
 
 The extension is compiled with the system compiler into a cache folder keyed
 by the source and the torch version; if that fails (no compiler, no ninja),
@@ -97,9 +97,12 @@ inline vf vexp(vf x) {
   return p * scale;
 }
 
-// The same computation as paged_attention_impl, 16 lanes at a time: needs D % 16 == 0.
-// Scores of one block for each query head are computed, exponentiated and summed as
-// vectors; the running output of the G heads sharing a KV head stays in one buffer.
+// q: (T, H, D); caches: (NB, Hkv, BS, D); block_tables: (S, MB) int32;
+// seq_idx, pos: (T,) int32. Query t attends to keys [0, pos[t]] of sequence seq_idx[t].
+// Inputs may be float32, bfloat16 or float16; all arithmetic is in float32, 16 lanes at a
+// time (D % 16 == 0). Scores of one block for each query head are computed, exponentiated and
+// summed as vectors (online softmax); the running output of the G heads sharing a KV head
+// stays in one buffer.
 template <typename scalar_t>
 void paged_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const int32_t* bt, const int32_t* si, const int32_t* ps, int64_t MB,
@@ -202,90 +205,6 @@ void paged_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const a
   });
 }
 
-// q: (T, H, D); caches: (NB, Hkv, BS, D); block_tables: (S, MB) int32;
-// seq_idx, pos: (T,) int32. Query t attends to keys [0, pos[t]] of sequence seq_idx[t].
-// Inputs may be float32, bfloat16 or float16; all arithmetic is in float32.
-template <typename scalar_t>
-void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const int32_t* bt, const int32_t* si, const int32_t* ps, int64_t MB,
-                          float sc, at::Tensor& out) {
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t Hkv = k_cache.size(1), BS = k_cache.size(2);
-  const int64_t G = H / Hkv;
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
-
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    float acc[kMaxGroup][kMaxHeadDim];
-    float qf[kMaxGroup][kMaxHeadDim];
-    float row[kMaxHeadDim];
-    float m[kMaxGroup], l[kMaxGroup], s[kMaxGroup][kMaxBlock];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / Hkv, kh = task % Hkv;
-      const scalar_t* qt = qp + (t * H + kh * G) * D;
-      const int32_t* table = bt + static_cast<int64_t>(si[t]) * MB;
-      const int64_t ctx = static_cast<int64_t>(ps[t]) + 1;
-      for (int64_t g = 0; g < G; ++g) {
-        m[g] = -std::numeric_limits<float>::infinity();
-        l[g] = 0.f;
-        for (int64_t d = 0; d < D; ++d) {
-          acc[g][d] = 0.f;
-          qf[g][d] = static_cast<float>(qt[g * D + d]);
-        }
-      }
-      for (int64_t b = 0; b * BS < ctx; ++b) {
-        const int64_t n = std::min<int64_t>(BS, ctx - b * BS);
-        const int64_t off = ((static_cast<int64_t>(table[b]) * Hkv + kh) * BS) * D;
-        const scalar_t* kb = kp + off;
-        const scalar_t* vb = vp + off;
-        for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* kj = kb + j * D;
-          for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(kj[d]);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf[g];
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-            s[g][j] = dot * sc;
-          }
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float bmax = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, s[g][j]);
-          const float new_m = std::max(m[g], bmax);
-          const float corr = std::exp(m[g] - new_m);
-          l[g] *= corr;
-          float* ag = acc[g];
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
-          for (int64_t j = 0; j < n; ++j) {
-            s[g][j] = std::exp(s[g][j] - new_m);
-            l[g] += s[g][j];
-          }
-          m[g] = new_m;
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* vj = vb + j * D;
-          for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(vj[d]);
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = s[g][j];
-            float* ag = acc[g];
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        scalar_t* o = op + (t * H + kh * G + g) * D;
-        const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g][d] * inv);
-      }
-    }
-  });
-}
-
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_idx,
                            const at::Tensor& pos, double scale) {
@@ -293,14 +212,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "q and the caches must share a dtype");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), BS = k_cache.size(2);
-  TORCH_CHECK(H / Hkv <= kMaxGroup && D <= kMaxHeadDim && BS <= kMaxBlock, "shape out of kernel limits");
+  TORCH_CHECK(H / Hkv <= kMaxGroup && D <= kMaxHeadDim && D % W == 0 && BS <= kMaxBlock,
+              "shape out of kernel limits");
   auto out = at::empty_like(q);
   const auto tables = block_tables.contiguous();
   const auto seqs = seq_idx.contiguous();
   const auto positions = pos.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    auto impl = D % W == 0 ? paged_attention_vec<scalar_t> : paged_attention_impl<scalar_t>;
-    impl(q, k_cache, v_cache, tables.data_ptr<int32_t>(), seqs.data_ptr<int32_t>(), positions.data_ptr<int32_t>(),
+    paged_attention_vec<scalar_t>(q, k_cache, v_cache, tables.data_ptr<int32_t>(), seqs.data_ptr<int32_t>(), positions.data_ptr<int32_t>(),
          tables.size(1), static_cast<float>(scale), out);
   });
   return out;
@@ -370,6 +289,11 @@ def _load() -> bool:
             errors.append(f"{' '.join(cflags)}: {exc}")
     logger.warning("paged attention kernel unavailable, using the gather path: %s", "; ".join(errors))
     return False
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel handles this attention shape (else: the gather path)."""
+    return num_heads // num_kv_heads <= 16 and head_dim <= 256 and head_dim % 16 == 0
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

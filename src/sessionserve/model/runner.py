@@ -85,9 +85,8 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.arch.num_layers)]
-        self.use_kernel = (self.device.type == "cpu"
-                           and self.arch.num_heads // self.arch.num_kv_heads <= 16
-                           and self.arch.head_dim <= 256 and paged_kernel.available())
+        self.use_kernel = (self.device.type == "cpu" and paged_kernel.available()
+                           and paged_kernel.supports(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim))
         self._generators: dict[str, tuple[Sequence, torch.Generator]] = {}
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(model_config.seed)
