@@ -124,7 +124,7 @@ class AsyncEngine:
         if len(self._streams) >= self.max_queued_requests:
             raise EngineOverloaded(f"{len(self._streams)} requests in flight")
         loop = asyncio.get_running_loop()
-        out_queue: asyncio.Queue = asyncio.Queue()
+        own = _Stream(loop, asyncio.Queue(), request_id)
 
         def add(eng: LLMEngine) -> None:
             ids = prompt(eng) if callable(prompt) else prompt
@@ -133,13 +133,15 @@ class AsyncEngine:
                 ids, sid = ids.token_ids, ids.session_id
             eng.add_request(ids, params, request_id=request_id, stream=stream, salt=salt, session_id=sid,
                             priority=priority)
-            self._streams[request_id] = _Stream(loop, out_queue, request_id)
+            self._streams[request_id] = own
 
-        await self.call(add)
         finished = False
         try:
+            # NOTE: inside the try: a consumer cancelled while `add` waits for the engine thread
+            # (a client gone before the first step) must still abort the request `add` then adds.
+            await self.call(add)
             while True:
-                item = await out_queue.get()
+                item = await own.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -148,7 +150,9 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                await self.abort(request_id)
+                # Queued without awaiting: a cancelled consumer cannot await, and the command runs
+                # after `add` (one FIFO queue) whether or not `add` has run yet.
+                self._commands.put(lambda: self._abort_own(own))
 
     async def abort(self, request_id: str) -> None:
         def do(eng: LLMEngine) -> None:
@@ -160,6 +164,12 @@ class AsyncEngine:
 
     # -- engine thread -----------------------------------------------------------------------
 
+    def _abort_own(self, stream: _Stream) -> None:
+        """Abort `stream`'s request if it is still registered: never another request that reuses its id."""
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+            self.engine.abort(stream.request_id)
+
     def _run(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
@@ -169,7 +179,10 @@ class AsyncEngine:
             except queue.Empty:
                 cmd = None
             while cmd is not None:
-                cmd()
+                try:
+                    cmd()
+                except Exception:  # noqa: BLE001 - one failed command (an abort) must not stop the engine
+                    logger.exception("engine command failed")
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:

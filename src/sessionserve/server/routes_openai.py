@@ -293,15 +293,26 @@ def register(app: FastAPI, state: ServerState) -> None:
 
 
 async def _collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """The final output; aborts the request if the client disconnects meanwhile."""
+    """The final output; aborts the request if the client disconnects meanwhile (seen at its next output)."""
+
+    async def until_disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    # NOTE: a waiting task, not `request.is_disconnected()`: that polls receive() under a cancelled
+    # scope, which through the HTTP middleware's task group never sees the disconnect.
+    watcher = asyncio.ensure_future(until_disconnected())
     final = None
-    async for out in outputs:
-        if out.finished:
-            final = out
-            break
-        if await request.is_disconnected():
-            await outputs.aclose()  # the bridge aborts the request and frees its blocks
-            raise P.OpenAIError(499, "Client closed the request.", "invalid_request_error")
+    try:
+        async for out in outputs:
+            if out.finished:
+                final = out
+                break
+            if watcher.done():
+                await outputs.aclose()  # the bridge aborts the request and frees its blocks
+                raise P.OpenAIError(499, "Client closed the request.", "invalid_request_error")
+    finally:
+        watcher.cancel()
     assert final is not None
     return final
 
