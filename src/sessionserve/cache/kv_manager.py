@@ -125,6 +125,9 @@ class KVCacheManager:
         if keep_blocks > num_full and keep_blocks <= len(table) \
                 and self._num_committed.get(key, 0) > num_full:
             keep_blocks = num_full
+        if keep_blocks == 0:  # nothing left: forget the key, as `free` does (an empty table would block renames)
+            self.free(key)
+            return 0
         if keep_blocks < len(table):
             self.pool.free(table[keep_blocks:])
             del table[keep_blocks:]
