@@ -5,6 +5,7 @@ tokenizer files with a ChatML/tool-calling chat template, generation_config.json
 for a real architecture (Llama, Qwen2, Qwen3), so the server runs end to end
 with no downloads.  Only torch, safetensors and tokenizers are used here -- not
 transformers -- so the folder is an independent check of any loader.
+``make-model --train`` writes the same folder with trained weights (``train.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from sessionserve.model.tokenizer_train import (
-    SPECIAL_TOKENS,
     SPECIAL_TOKENS_MAP,
-    TOOL_TOKENS,
     VOCAB_SIZE,
     default_cache_dir,
     ensure_tokenizer,
@@ -59,13 +59,21 @@ def _check(arch: str, size: str) -> None:
 def model_config(arch: str, size: str, eos_token_id: int, pad_token_id: int) -> dict[str, Any]:
     """The config.json contents, with exact HF field names."""
     _check(arch, size)
-    shape = _SHAPES[size]
+    return shape_config(arch, _SHAPES[size], eos_token_id, pad_token_id, _LLAMA3_ORIGINAL_MAX[size])
+
+
+def shape_config(arch: str, shape: dict[str, int], eos_token_id: int, pad_token_id: int,
+                 llama3_original_max: int = 1024) -> dict[str, Any]:
+    """config.json for any shape (hidden_size, num_hidden_layers, heads, kv heads,
+    intermediate_size, max_position_embeddings; head_dim defaults to hidden/heads)."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     cfg: dict[str, Any] = {
         "architectures": [_ARCH_CLASS[arch]],
         "model_type": arch,
         "vocab_size": VOCAB_SIZE,
-        **shape,
-        "head_dim": shape["hidden_size"] // shape["num_attention_heads"],
+        **{k: v for k, v in shape.items() if k != "head_dim"},
+        "head_dim": shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"]),
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "initializer_range": 0.02,
@@ -85,7 +93,7 @@ def model_config(arch: str, size: str, eos_token_id: int, pad_token_id: int) -> 
                 "factor": 8.0,
                 "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0,
-                "original_max_position_embeddings": _LLAMA3_ORIGINAL_MAX[size],
+                "original_max_position_embeddings": llama3_original_max,
             },
             attention_bias=False,
             mlp_bias=False,
@@ -211,17 +219,40 @@ def make_model(
 ) -> Path:
     """Write a complete HF model folder to out_dir (replacing it) and return it.
 
-    The folder is built in a temp dir beside out_dir and renamed into place, so
-    a crash never leaves a half-written model.  cache_dir locates the shared
-    tokenizer cache (default ``~/.cache/sessionserve/models``).
+    cache_dir locates the shared tokenizer cache (default
+    ``~/.cache/sessionserve/models``).
     """
     _check(arch, size)
-    out = Path(out_dir).absolute()
     tok_path = ensure_tokenizer(cache_dir)
-    tok = Tokenizer.from_file(str(tok_path))
-    ids = {t: tok.token_to_id(t) for t in (*SPECIAL_TOKENS, *TOOL_TOKENS)}
-    eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
+    eos, pad = special_token_ids(tok_path)
     cfg = model_config(arch, size, eos_token_id=eos, pad_token_id=pad)
+    return write_model_folder(out_dir, cfg, lambda: init_weights(arch, cfg, seed), tok_path)
+
+
+def special_token_ids(tok_path: Path) -> tuple[int, int]:
+    """(eos, pad) ids of the tokenizer at tok_path: ``<|im_end|>`` and ``<|endoftext|>``."""
+    tok = Tokenizer.from_file(str(tok_path))
+    return tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+
+
+def write_model_folder(
+    out_dir: str | Path,
+    cfg: dict[str, Any],
+    weights: Callable[[], dict[str, torch.Tensor]],
+    tok_path: Path,
+    extra_json: dict[str, Any] | None = None,
+) -> Path:
+    """Write config, weights (HF names), tokenizer files and generation_config to out_dir.
+
+    Every embedded model, random or trained, goes through here, so they share
+    the tokenizer, chat template and generation settings byte for byte.
+    ``extra_json`` maps file names to objects written beside them.  The folder
+    is built in a temp dir beside out_dir and renamed into place, so a crash
+    never leaves a half-written model.
+    """
+    out = Path(out_dir).absolute()
+    tok = Tokenizer.from_file(str(tok_path))
+    eos, pad = special_token_ids(tok_path)
     chat_template = read_chat_template()
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -229,7 +260,7 @@ def make_model(
     try:
         _write_json(tmp / "config.json", cfg)
         # Metadata "format": "pt" is what HF loaders require of a safetensors file.
-        save_file(init_weights(arch, cfg, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(weights(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         shutil.copyfile(tok_path, tmp / "tokenizer.json")
         _write_json(tmp / "tokenizer_config.json",
                     hf_tokenizer_config(tok, chat_template, cfg["max_position_embeddings"]))
@@ -240,6 +271,8 @@ def make_model(
             "pad_token_id": pad,
             "do_sample": False,
         })
+        for name, obj in (extra_json or {}).items():
+            _write_json(tmp / name, obj)
         _fsync_tree(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         if out.exists():
@@ -282,22 +315,62 @@ def ensure_model(arch: str = "llama", size: str = "small", cache_dir: Path | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI: ``sessionserve make-model [--arch A] [--size S] [--seed N] [--out DIR]``."""
+    """CLI: ``sessionserve make-model [--arch A] [--size S] [--seed N] [--out DIR]``, or with
+    ``--train [--pair] [--train-steps N] [--train-minutes M]`` trained weights (see ``model/train.py``)."""
     parser = argparse.ArgumentParser(prog="sessionserve make-model", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=ARCHS, default="llama")
-    parser.add_argument("--size", choices=SIZES, default="small")
+    parser.add_argument("--size", choices=SIZES, default=None, help="random-weight size (default small)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default: the shared cache, built only if missing)")
     parser.add_argument("--cache-dir", type=Path, default=None)
+    train = parser.add_argument_group("trained weights (needs transformers)")
+    train.add_argument("--train", action="store_true",
+                       help="train on the Python standard library's sources instead of random weights "
+                            "(default out: <cache>/trained-<shape>)")
+    train.add_argument("--pair", action="store_true",
+                       help="train a target and a smaller draft with the same tokenizer, into OUT/target and "
+                            "OUT/draft (default <cache>/trained-target and <cache>/trained-draft)")
+    train.add_argument("--train-shape", choices=("target", "draft", "tiny"), default="target",
+                       help="the one shape trained without --pair")
+    train.add_argument("--train-steps", type=int, default=None,
+                       help="optimizer steps per model (default: train.DEFAULT_NUM_STEPS)")
+    train.add_argument("--train-minutes", type=float, default=None,
+                       help="extra wall-clock cap per model; a run it cuts short is not reproducible")
     args = parser.parse_args(argv)
+    if args.train:
+        if args.size is not None:
+            parser.error("--size is for random weights; trained shapes are --train-shape or --pair")
+        _train_main(args)
+        return
+    if args.pair or args.train_steps is not None or args.train_minutes is not None:
+        parser.error("--pair, --train-steps and --train-minutes need --train")
+    size = args.size or "small"
     if args.out is None:
         if args.seed != 0:
             parser.error("--seed needs --out (the cached default model uses seed 0)")
-        path = ensure_model(args.arch, args.size, args.cache_dir)
+        path = ensure_model(args.arch, size, args.cache_dir)
     else:
-        path = make_model(args.out, args.arch, args.size, args.seed, cache_dir=args.cache_dir)
+        path = make_model(args.out, args.arch, size, args.seed, cache_dir=args.cache_dir)
     print(path)
+
+
+def _train_main(args: argparse.Namespace) -> None:
+    from sessionserve.model import train as tr
+
+    cfg = tr.TrainConfig(
+        num_steps=args.train_steps if args.train_steps is not None else tr.DEFAULT_NUM_STEPS,
+        seed=args.seed,
+        max_train_s=None if args.train_minutes is None else 60.0 * args.train_minutes,
+    )
+    if args.pair:
+        results = tr.train_pair(args.out, cfg, arch=args.arch, cache_dir=args.cache_dir)
+    else:
+        out = args.out if args.out is not None else tr.default_trained_dir(args.train_shape, args.cache_dir)
+        results = (tr.train_model(out, tr.SHAPES[args.train_shape], cfg, arch=args.arch, role=args.train_shape,
+                                  cache_dir=args.cache_dir),)
+    for result in results:
+        print(tr.summary(result))
 
 
 if __name__ == "__main__":
