@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from sessionserve import LLMEngine, SamplingParams
 from sessionserve.config import Config
 from sessionserve.server.chat import continue_session
@@ -43,3 +45,44 @@ def test_abort_after_history_rewrite_keeps_the_session_usable(tiny_llama: Path, 
     eng.close_session(sid)
     eng.kv.check_integrity()
     assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "engine: SessionManager.truncate cuts session.token_ids before it raises SessionBusyError for a session "
+    "whose KV is moving; the session is left holding more computed tokens than tokens, and its next turn "
+    "schedules a chunk of negative length (IndexError in the model's forward, the step's requests fail)"))
+def test_rewrite_rejected_while_the_kv_moves_leaves_the_session_unchanged(tiny_llama: Path, tmp_path: Path) -> None:
+    import threading
+    import time
+
+    from sessionserve.core.residency import ActionKind, ResidencyAction
+    from sessionserve.core.session import Residency, Tier
+    from sessionserve.core.session_manager import SessionBusyError
+
+    eng = LLMEngine(Config.from_kwargs(num_blocks=64, block_size=16, host_kv_bytes=8 << 20,
+                                       residency_policy="keep"), tiny_llama)
+    sid = eng.open_session("alice/s", tenant="alice")
+    first = list(range(100, 140))
+    _run(eng, eng.add_request(first, GREEDY, session_id=sid))
+    session = eng.get_session(sid)
+    eng.sessions.apply(ResidencyAction(ActionKind.OFFLOAD, sid, Tier.HOST), time.monotonic())
+    for _ in range(400):
+        eng.sessions.tick(time.monotonic(), 0)
+        if session.residency is Residency.HOST:
+            break
+        time.sleep(0.005)
+    release = threading.Event()
+    real_read = eng.mover.host.read
+    eng.mover.host.read = lambda ids: (release.wait(10), real_read(ids))[1]  # the restore is slow
+    eng.sessions.apply(ResidencyAction(ActionKind.PREFETCH, sid), time.monotonic())
+    assert session.residency is Residency.RESTORING
+    before = (list(session.token_ids), session.num_computed_tokens)
+
+    rewritten = first[:20] + list(range(500, 510))
+    with pytest.raises(SessionBusyError):
+        continue_session(eng, sid, rewritten, "alice")  # the server answers 409; the client will retry
+    try:
+        assert (list(session.token_ids), session.num_computed_tokens) == before
+    finally:
+        release.set()
+        eng.close()
