@@ -54,7 +54,7 @@ class EngineCore:
         self.num_spec_proposed = 0
         self.num_spec_accepted = 0
         self.num_spec_steps = 0  # sequence-steps that verified at least one proposed token
-        self.execute_s: float | None = None  # EMA of the executor's time per step (the draft cost's unit)
+        self.execute_s: float | None = None  # EMA of a decode step's executor time (the draft cost's unit)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     salt: bytes = b"", session_id: str | None = None, priority: str | None = None) -> Sequence:
@@ -177,7 +177,8 @@ class EngineCore:
         result = self.executor.execute(plan)
         finished = self.scheduler.update(plan, result.sampled, result.accepted)
         now = self.clock()
-        self.execute_s = now - t0 if self.execute_s is None else 0.9 * self.execute_s + 0.1 * (now - t0)
+        if all(c.num_tokens - c.num_spec == 1 for c in plan.chunks):  # decodes only: the unit of draft cost
+            self.execute_s = now - t0 if self.execute_s is None else 0.9 * self.execute_s + 0.1 * (now - t0)
         if plan.num_batched_tokens >= 64:
             sample = (now - t0) / plan.num_batched_tokens
             prev = self.prefill_s_per_token

@@ -89,7 +89,8 @@ class DraftProposer:
             t0 = time.perf_counter()
             logits, rows = self.runner.forward_logits(plan)
             elapsed = time.perf_counter() - t0
-            self.forward_s = elapsed if self.forward_s is None else 0.9 * self.forward_s + 0.1 * elapsed
+            if all(c.num_tokens <= 2 for c in chunks):  # a proposal forward, not a catch-up prefill
+                self.forward_s = elapsed if self.forward_s is None else 0.9 * self.forward_s + 0.1 * elapsed
             self.num_forwards += 1
             for i, proxy in enumerate(rows):
                 params = proxy.sampling_params
