@@ -26,8 +26,8 @@ BOB = {"Authorization": "Bearer key-bob"}
 def live_server(model_dir: Path, spool_dir: Path, app_options: dict[str, Any] | None = None,
                 **engine_options: Any) -> Iterator[LiveServer]:
     """A server on a free loopback port over a tiny-model engine; `engine_options` override the defaults."""
-    options: dict[str, Any] = dict(num_blocks=128, block_size=16, max_num_seqs=16, residency_policy="keep",
-                                   host_kv_bytes=16 << 20, disk_kv_bytes=16 << 20, spool_dir=str(spool_dir))
+    options: dict[str, Any] = {"num_blocks": 128, "block_size": 16, "max_num_seqs": 16, "residency_policy": "keep",
+                               "host_kv_bytes": 16 << 20, "disk_kv_bytes": 16 << 20, "spool_dir": str(spool_dir)}
     options.update(engine_options)
     engine = LLMEngine(Config.from_kwargs(**options), model_dir)
     app = create_app(engine, model_name="tiny", auth=Auth(KEYS), **(app_options or {}))

@@ -23,7 +23,7 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 60  # ~600 tokens
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     spool = tmp_path_factory.mktemp("spool")
     with live_server(tiny_llama, spool, num_blocks=256, host_kv_bytes=8 << 20, disk_kv_bytes=0,
                      residency_policy="predictive") as s:

@@ -24,7 +24,7 @@ FIRST = [{"role": "system", "content": "You are a coding agent."},
          {"role": "user", "content": "read the failing test and explain it " * 3}]
 
 
-def _turns(server: LiveServer, sid: str, headers: dict[str, str], between=None) -> list[str]:  # noqa: ANN001
+def _turns(server: LiveServer, sid: str, headers: dict[str, str], between=None) -> list[str]:
     """Two turns of one conversation; `between(sid)` runs while the session is parked."""
     r1 = chat(server, FIRST, session_id=sid, headers=headers, max_tokens=12, ignore_eos=True)
     assert r1.status_code == 200, r1.text
@@ -47,7 +47,7 @@ def _residency(server: LiveServer, sid: str) -> Residency:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     spool = tmp_path_factory.mktemp("faults") / "spool"
     with live_server(tiny_llama, spool, host_kv_bytes=0, disk_kv_bytes=16 << 20, residency_policy="keep") as s:
         s.spool = spool  # type: ignore[attr-defined]

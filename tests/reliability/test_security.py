@@ -19,7 +19,7 @@ WRONG_KEY = "key-mallory-0b9e77d1"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     spool = tmp_path_factory.mktemp("sec") / "spool"
     with live_server(tiny_llama, spool, host_kv_bytes=0) as s:
         s.spool = spool  # type: ignore[attr-defined]
@@ -30,7 +30,7 @@ def test_api_keys_never_reach_the_logs(server: LiveServer, caplog: pytest.LogCap
     runner = server.engine.runner
     real = runner._sample_row
 
-    def failing_sampler(seq):  # noqa: ANN001, ANN202 - an engine failure logs a traceback
+    def failing_sampler(seq):
         if seq.request_id == "logged1":
             raise RuntimeError("injected")
         return real(seq)
@@ -110,8 +110,9 @@ def test_path_like_ids_never_reach_the_file_system(server: LiveServer) -> None:
     for sid in ("..", "...", ".:.."):
         assert chat(server, [{"role": "user", "content": f"{sid} " * 20}], session_id=sid, max_tokens=2).status_code == 200
         key = f"alice/{sid}"
-        server.call(lambda e: e.sessions.apply(ResidencyAction(ActionKind.OFFLOAD, key, Tier.DISK), time.monotonic()))
-        wait_until(lambda: server.call(lambda e: e.get_session(key).residency) is Residency.DISK, 10, "on disk")
+        server.call(lambda e, k=key: e.sessions.apply(ResidencyAction(ActionKind.OFFLOAD, k, Tier.DISK),
+                                                      time.monotonic()))
+        wait_until(lambda k=key: server.call(lambda e: e.get_session(k).residency) is Residency.DISK, 10, "on disk")
     names = sorted(p.name for p in spool.iterdir())
     assert len(names) == 3 and all(re.fullmatch(r"[0-9a-f]{32}\.kv", n) for n in names), names
     assert sorted(p.name for p in spool.parent.iterdir()) == ["spool"]

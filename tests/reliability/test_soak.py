@@ -31,7 +31,7 @@ P99_BOUND_S = 5.0
 RSS_GROWTH_BOUND_BYTES = 512 << 20
 
 
-def _soak_module():  # noqa: ANN202 - bench/soak.py is a script, loaded by path
+def _soak_module():
     spec = importlib.util.spec_from_file_location("bench_soak", ROOT / "bench" / "soak.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look themselves up there

@@ -16,19 +16,27 @@ import httpx
 import pytest
 
 from sessionserve.core.sequence import Sequence
-from tests.reliability.conftest import ALICE, assert_all_free, chat, close_all_sessions, live_server, sse_events, wait_idle
+from tests.reliability.conftest import (
+    ALICE,
+    assert_all_free,
+    chat,
+    close_all_sessions,
+    live_server,
+    sse_events,
+    wait_idle,
+)
 from tests.server.conftest import LiveServer
 
 POISON = "poison"  # request ids starting with this make the sampler raise
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     with live_server(tiny_llama, tmp_path_factory.mktemp("spool")) as s:
         runner = s.engine.runner
         real = runner._sample_row
 
-        def sample_row(seq: Sequence):  # noqa: ANN202
+        def sample_row(seq: Sequence):
             if seq.request_id.startswith(POISON):
                 raise RuntimeError("injected sampler failure")
             return real(seq)
