@@ -47,10 +47,6 @@ def test_abort_after_history_rewrite_keeps_the_session_usable(tiny_llama: Path, 
     assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine: SessionManager.truncate cuts session.token_ids before it raises SessionBusyError for a session "
-    "whose KV is moving; the session is left holding more computed tokens than tokens, and its next turn "
-    "schedules a chunk of negative length (IndexError in the model's forward, the step's requests fail)"))
 def test_rewrite_rejected_while_the_kv_moves_leaves_the_session_unchanged(tiny_llama: Path, tmp_path: Path) -> None:
     import threading
     import time

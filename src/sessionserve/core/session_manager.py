@@ -146,21 +146,21 @@ class SessionManager:
             raise SessionBusyError(f"session {session.session_id!r} has a turn running")
         if num_tokens >= len(session.token_ids):
             return
+        # The KV first: if it cannot be cut now, the session is left exactly as it was.
+        if session.num_computed_tokens > num_tokens:
+            if session.residency is Residency.DEVICE:
+                session.num_computed_tokens = self.kv.trim(session.kv_key, num_tokens)
+            elif session.residency is not Residency.NONE:
+                # Off device or moving: a partial copy back is not worth it; recompute (the
+                # prefix cache may still hold the start).
+                self._apply(ResidencyAction(ActionKind.DROP, session.session_id), session.last_active_s)
+                if session.residency is not Residency.NONE:  # moving: wait for the move, then drop
+                    raise SessionBusyError(f"session {session.session_id!r} is being moved; retry")
+                self._dropped_tokens[session.session_id] = 0
+            else:
+                self._dropped_tokens[session.session_id] = min(self._dropped_tokens.get(session.session_id, 0),
+                                                               num_tokens)
         session.token_ids = session.token_ids[:num_tokens]
-        if session.num_computed_tokens <= num_tokens:
-            return
-        if session.residency is Residency.DEVICE:
-            session.num_computed_tokens = self.kv.trim(session.kv_key, num_tokens)
-        elif session.residency is not Residency.NONE:
-            # Off device or moving: a partial copy back is not worth it; recompute (the
-            # prefix cache may still hold the start).
-            self._apply(ResidencyAction(ActionKind.DROP, session.session_id), session.last_active_s)
-            if session.residency is not Residency.NONE:  # moving: wait for the move, then drop
-                raise SessionBusyError(f"session {session.session_id!r} is being moved; retry")
-            self._dropped_tokens[session.session_id] = 0
-        else:
-            self._dropped_tokens[session.session_id] = min(self._dropped_tokens.get(session.session_id, 0),
-                                                           num_tokens)
 
     def set_wait(self, session_id: str, tools: tuple[str, ...] = (), wait_hint_s: float | None = None) -> None:
         """What a parked session waits on: the tools it called, and the client's expected wait."""
