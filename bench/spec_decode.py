@@ -5,7 +5,11 @@ length) through engines that differ only in how tokens are proposed:
 
 - ``none``: the target model alone;
 - ``draft``: the draft model proposes, the target verifies (same tokenizer);
-- ``ngram``: prompt lookup in the sequence's own context, no second model.
+- ``ngram``: prompt lookup in the sequence's own context, no second model;
+- ``draft-fixed``, ``ngram-fixed``: the same with the adaptive draft length
+  off (always `--num-speculative-tokens` proposals): the acceptance rate at
+  every batch size, and what drafting costs where the adaptive policy would
+  not draft.
 
 Methods alternate within each repeat, so load on a shared machine hits all of
 them alike. Reports generated tokens per second over the whole batch (prefill
@@ -95,7 +99,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=str(MODELS / "trained-target"))
     p.add_argument("--draft", default=str(MODELS / "trained-draft"))
-    p.add_argument("--methods", default="none,draft,ngram")
+    p.add_argument("--methods", default="none,draft,ngram,draft-fixed,ngram-fixed")
     p.add_argument("--workloads", default="code,copy")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--prompt-len", type=int, default=256)
@@ -113,6 +117,7 @@ def main() -> None:
                   max_num_batched_tokens=4096)
     spec = {"none": {}, "ngram": dict(speculative_method="ngram"),
             "draft": dict(speculative_method="draft", draft_model=a.draft)}
+    spec.update({f"{m}-fixed": dict(spec[m], spec_adaptive=False) for m in ("ngram", "draft")})
     engines = {m: LLM(a.target, num_speculative_tokens=a.num_speculative_tokens, **common, **spec[m])
                for m in methods}
     tokenizer = engines["none"].engine.tokenizer

@@ -18,7 +18,7 @@ from sessionserve.core.scheduler import Scheduler, SchedulerOutput
 from sessionserve.core.sequence import Sequence, SequenceStatus
 from sessionserve.core.session import Session
 from sessionserve.core.session_manager import SessionManager
-from sessionserve.core.spec import Proposer, SpecPolicy
+from sessionserve.core.spec import Proposer, SpecPolicy, StepCostFit
 
 
 @dataclass(slots=True)
@@ -55,6 +55,7 @@ class EngineCore:
         self.num_spec_accepted = 0
         self.num_spec_steps = 0  # sequence-steps that verified at least one proposed token
         self.execute_s: float | None = None  # EMA of a decode step's executor time (the draft cost's unit)
+        self.step_fit = StepCostFit()  # decode step time vs tokens: where verifying drafts stops being free
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     salt: bytes = b"", session_id: str | None = None, priority: str | None = None) -> Sequence:
@@ -116,6 +117,7 @@ class EngineCore:
         batch = len(self.scheduler.running)
         forward_s = self.proposer.forward_s if self.proposer is not None else None
         draft_cost = forward_s / self.execute_s if forward_s is not None and self.execute_s else None
+        saturation = self.step_fit.saturation_tokens()
         for seq in self.scheduler.running:
             seq.spec_token_ids.clear()
             seq.spec_probs = None
@@ -124,7 +126,7 @@ class EngineCore:
                     or seq.num_output_tokens < params.min_tokens:
                 continue
             remaining = min(params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens)
-            k = self.spec_policy.num_draft_tokens(seq.spec_acceptance, remaining, batch, draft_cost)
+            k = self.spec_policy.num_draft_tokens(seq.spec_acceptance, remaining, batch, draft_cost, saturation)
             if k > 0:
                 seqs.append(seq)
                 counts.append(k)
@@ -179,6 +181,7 @@ class EngineCore:
         now = self.clock()
         if all(c.num_tokens - c.num_spec == 1 for c in plan.chunks):  # decodes only: the unit of draft cost
             self.execute_s = now - t0 if self.execute_s is None else 0.9 * self.execute_s + 0.1 * (now - t0)
+            self.step_fit.observe(plan.num_batched_tokens, now - t0)
         if plan.num_batched_tokens >= 64:
             sample = (now - t0) / plan.num_batched_tokens
             prev = self.prefill_s_per_token

@@ -56,6 +56,41 @@ def ngram_propose(tokens: Seq[int], k: int, n_max: int = 4, n_min: int = 1, wind
     return []
 
 
+class StepCostFit:
+    """Decode step time as `fixed + per_token * tokens`, fitted by exponentially weighted least squares.
+
+    `saturation_tokens()` = fixed / per_token: the batch at which tokens cost
+    as much as the step's fixed part (reading the weights, launching the
+    layers), which is where verifying drafts stops being nearly free. None
+    until the observed batches spread enough to tell the two apart.
+    """
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1
+        self._x = d * self._x + tokens
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + tokens * tokens
+        self._xy = d * self._xy + tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None without enough spread in batch sizes."""
+        var = self._w * self._xx - self._x * self._x
+        if self._w < 8 or var <= 0.5 * self._w * self._w:  # token counts' std-dev under ~0.7
+            return None
+        per_token = (self._w * self._xy - self._x * self._y) / var
+        fixed = (self._y - per_token * self._x) / self._w
+        return (fixed, per_token) if fixed > 0 and per_token > 0 else None
+
+    def saturation_tokens(self) -> float | None:
+        fit = self.fit()
+        return None if fit is None else min(4096.0, max(1.0, fit[0] / fit[1]))
+
+
 class NgramProposer:
     """Prompt lookup: proposals from the sequence's own context, no model."""
 
@@ -79,8 +114,9 @@ class SpecPolicy:
     batches) and costs as much as a decode once the step is bound by
     arithmetic: `verify_cost` + batch / `saturation_tokens`, at most 1, where
     `saturation_tokens` is about where the device turns compute-bound (tens
-    of tokens on a CPU, hundreds on a GPU). `draft_cost`: the proposer's cost
-    per drafted token (0 for prompt lookup).
+    of tokens on a CPU, hundreds on a GPU; the engine measures it with
+    `StepCostFit` once it has seen a few batch sizes). `draft_cost`: the
+    proposer's cost per drafted token (0 for prompt lookup).
     """
 
     max_tokens: int = 4
@@ -96,17 +132,18 @@ class SpecPolicy:
             raise ValueError(f"num_speculative_tokens must be in [0, 32], got {self.max_tokens}")
 
     def num_draft_tokens(self, acceptance: float | None, remaining: int, batch: int = 1,
-                         draft_cost: float | None = None) -> int:
+                         draft_cost: float | None = None, saturation_tokens: float | None = None) -> int:
         """k for the next step: the best expected tokens per unit cost, at most `remaining` - 1.
 
-        `batch`: sequences decoding in the step; `draft_cost`: a measured cost per drafted token
-        (default: the configured one).
+        `batch`: sequences decoding in the step; `draft_cost`, `saturation_tokens`: measured
+        values (`StepCostFit`, the proposer's timing) instead of the configured ones.
         """
         cap = min(self.max_tokens, max(0, remaining - 1))
         if cap == 0 or not self.adaptive:
             return cap
         a = self.prior if acceptance is None else min(max(acceptance, 0.0), 0.999)
-        cost = min(1.0, self.verify_cost + batch / self.saturation_tokens) \
+        saturation = self.saturation_tokens if saturation_tokens is None else saturation_tokens
+        cost = min(1.0, self.verify_cost + batch / saturation) \
             + (self.draft_cost if draft_cost is None else draft_cost)
         best_k, best = 0, 1.0
         for k in range(1, cap + 1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessionserve.core.spec import SpecPolicy, ngram_propose
+from sessionserve.core.spec import SpecPolicy, StepCostFit, ngram_propose
 
 
 def _naive_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -58,3 +58,19 @@ def test_acceptance_estimate_counts_trials_up_to_the_first_rejection() -> None:
     assert policy.update(None, 4, 0) == 0.0
     low = policy.update(0.0, 0, 0)
     assert low is not None and 0.0 < low < policy.prior  # a sequence that stopped drafting drifts back
+
+
+def test_step_cost_fit_finds_where_tokens_start_to_cost() -> None:
+    fit = StepCostFit()
+    for _ in range(5):
+        fit.observe(8, 0.010 + 8 * 0.0005)
+    assert fit.saturation_tokens() is None  # one batch size: fixed and per-token parts are not separable
+    for tokens in (1, 3, 9, 17, 33, 2, 40):
+        fit.observe(tokens, 0.010 + tokens * 0.0005)
+    fixed, per_token = fit.fit()
+    assert abs(fixed - 0.010) < 1e-9 and abs(per_token - 0.0005) < 1e-9
+    assert abs(fit.saturation_tokens() - 20.0) < 1e-6
+    # the measured saturation drives the policy: a cheap token lets a big batch still draft
+    policy = SpecPolicy(max_tokens=4, saturation_tokens=16)
+    assert policy.num_draft_tokens(0.6, 100, batch=32, saturation_tokens=400.0) > \
+        policy.num_draft_tokens(0.6, 100, batch=32)
