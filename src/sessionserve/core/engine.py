@@ -117,7 +117,9 @@ class EngineCore:
         batch = len(self.scheduler.running)
         forward_s = self.proposer.forward_s if self.proposer is not None else None
         draft_cost = forward_s / self.execute_s if forward_s is not None and self.execute_s else None
-        saturation = self.step_fit.saturation_tokens()
+        # Until decode steps of a few sizes were timed, verification is taken as nearly free (it is at
+        # small batches); the drafts themselves vary the step sizes, and the fit then decides.
+        saturation = self.step_fit.saturation_tokens() or float("inf")
         for seq in self.scheduler.running:
             seq.spec_token_ids.clear()
             seq.spec_probs = None
