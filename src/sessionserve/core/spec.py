@@ -111,9 +111,10 @@ class SpecPolicy:
 
     Costs are per draft token, as a fraction of one decode step. Verifying a
     draft is nearly free while a step is bound by reading the weights (small
-    batches) and costs as much as a decode once the step is bound by
-    arithmetic: `verify_cost` + batch / `saturation_tokens`, at most 1, where
-    `saturation_tokens` is about where the device turns compute-bound (tens
+    batches) and costs nearly a whole step's share once the step is bound by
+    arithmetic: `verify_cost` + x / (1 + x) with x = batch /
+    `saturation_tokens`, the batch at which the per-token part of a step
+    equals its fixed part: about where the device turns compute-bound (tens
     of tokens on a CPU, hundreds on a GPU; the engine measures it with
     `StepCostFit` once it has seen a few batch sizes). `draft_cost`: the
     proposer's cost per drafted token (0 for prompt lookup).
@@ -143,8 +144,10 @@ class SpecPolicy:
             return cap
         a = self.prior if acceptance is None else min(max(acceptance, 0.0), 0.999)
         saturation = self.saturation_tokens if saturation_tokens is None else saturation_tokens
-        cost = min(1.0, self.verify_cost + batch / saturation) \
-            + (self.draft_cost if draft_cost is None else draft_cost)
+        # A step of `batch` tokens takes fixed + batch * per_token; one more token adds per_token, i.e.
+        # x / (1 + x) of the step with x = batch / saturation (= batch * per_token / fixed).
+        x = batch / saturation
+        cost = self.verify_cost + x / (1 + x) + (self.draft_cost if draft_cost is None else draft_cost)
         best_k, best = 0, 1.0
         for k in range(1, cap + 1):
             value = ((1 - a ** (k + 1)) / (1 - a)) / (1 + cost * k)
