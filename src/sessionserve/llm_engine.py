@@ -27,6 +27,7 @@ from sessionserve.core.session_manager import SessionManager
 from sessionserve.core.spec import NgramProposer, Proposer, SpecPolicy
 from sessionserve.model.runner import ModelRunner
 from sessionserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from sessionserve.obs.native_memory import HeapTrimmer
 
 
 @dataclass
@@ -95,6 +96,7 @@ class LLMEngine:
         self.core = EngineCore(config.scheduler, self.kv, self.runner, clock, tuple(eos), self.runner.max_model_len,
                                sessions=self.sessions, proposer=proposer, spec_policy=spec_policy)
         self._clock = clock
+        self._heap = HeapTrimmer()
         self._tracked: dict[str, _Tracked] = {}
         self._next_id = 0
 
@@ -243,6 +245,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if self.core.num_steps % 32 == 0:
             self.update_costs()
+            self._heap.maybe_trim()
         for step_out in self.core.step():
             seq = step_out.seq
             tracked = self._tracked.get(seq.request_id)
