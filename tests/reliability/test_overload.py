@@ -1,7 +1,7 @@
 """A burst bigger than the KV pool and the queue: requests queue or get a 429, running sessions finish.
 
-The pool holds ~4 requests; the server takes at most 10 in flight. A burst of
-24 arrives while two sessions stream long turns. Every answer is a 200 with
+The pool holds ~4 requests; the server takes at most 8 in flight. A burst of
+40 arrives while two sessions stream long turns. Every answer is a 200 with
 all its tokens or a 429 with OpenAI error JSON and Retry-After; never a 5xx.
 """
 
@@ -16,7 +16,7 @@ import httpx
 
 from tests.reliability.conftest import ALICE, assert_all_free, close_all_sessions, live_server, wait_idle
 
-NUM_BURST = 24
+NUM_BURST = 40
 MAX_TOKENS = 100
 
 
@@ -42,13 +42,20 @@ def _session_turn(url: str, sid: str, started: threading.Event) -> dict:
 
 def test_burst_over_kv_pool_and_queue_limit(tiny_llama: Path, tmp_path: Path) -> None:
     with live_server(tiny_llama, tmp_path / "spool", num_blocks=40, max_num_seqs=4, host_kv_bytes=0,
-                     disk_kv_bytes=0, app_options={"max_queued_requests": 10}) as server, \
-            concurrent.futures.ThreadPoolExecutor(NUM_BURST + 2) as pool:
+                     disk_kv_bytes=0, app_options={"max_queued_requests": 8}) as server, \
+            concurrent.futures.ThreadPoolExecutor(NUM_BURST + 3) as pool:
         started = [threading.Event(), threading.Event()]
         sessions = [pool.submit(_session_turn, server.url, f"agent-{k}", started[k]) for k in range(2)]
         for ev in started:
             assert ev.wait(60)
-        burst = [f.result() for f in [pool.submit(_post, server.url, i) for i in range(NUM_BURST)]]
+        # Hold the engine thread for a moment so the burst piles up as it would on a busy server (on an
+        # idle machine a tiny model answers faster than one test process can send).
+        gate = threading.Event()
+        hold = pool.submit(server.call, lambda e: gate.wait(30))
+        futures = [pool.submit(_post, server.url, i) for i in range(NUM_BURST)]
+        threading.Timer(1.0, gate.set).start()
+        burst = [f.result() for f in futures]
+        hold.result()
         finals = [f.result() for f in sessions]
 
         statuses = [r.status_code for r in burst]

@@ -31,6 +31,10 @@ class SessionBusyError(ValueError):
     """The session cannot take this now (a turn is running, or its KV is moving); retry later."""
 
 
+class SessionMovingError(SessionBusyError):
+    """The session's KV is being copied between tiers: retry in a moment (the copy is short)."""
+
+
 class SessionManager:
     """Session lifecycle and KV residency. Called from the engine thread only."""
 
@@ -155,7 +159,7 @@ class SessionManager:
                 # prefix cache may still hold the start).
                 self._apply(ResidencyAction(ActionKind.DROP, session.session_id), session.last_active_s)
                 if session.residency is not Residency.NONE:  # moving: wait for the move, then drop
-                    raise SessionBusyError(f"session {session.session_id!r} is being moved; retry")
+                    raise SessionMovingError(f"session {session.session_id!r} is being moved; retry")
                 self._dropped_tokens[session.session_id] = 0
             else:
                 self._dropped_tokens[session.session_id] = min(self._dropped_tokens.get(session.session_id, 0),

@@ -54,6 +54,7 @@ class AsyncEngine:
                  on_step: Callable[[LLMEngine, float], None] | None = None) -> None:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
+        self._num_adding = 0  # requests whose `add` is queued for the engine thread (event-loop side)
         self.idle_tick_s = idle_tick_s
         self.on_step = on_step  # metrics hook, called in the engine thread after each step
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -121,8 +122,9 @@ class AsyncEngine:
         """
         if self._draining or not self.is_alive:
             raise EngineDead("the server is shutting down")
-        if len(self._streams) >= self.max_queued_requests:
-            raise EngineOverloaded(f"{len(self._streams)} requests in flight")
+        in_flight = len(self._streams) + self._num_adding
+        if in_flight >= self.max_queued_requests:
+            raise EngineOverloaded(f"{in_flight} requests in flight")
         loop = asyncio.get_running_loop()
         own = _Stream(loop, asyncio.Queue(), request_id)
 
@@ -136,10 +138,16 @@ class AsyncEngine:
             self._streams[request_id] = own
 
         finished = False
+        # Counted from now, not from when the engine thread gets to `add`: a burst that arrives while
+        # the engine is busy must meet the limit too.
+        self._num_adding += 1
         try:
             # NOTE: inside the try: a consumer cancelled while `add` waits for the engine thread
             # (a client gone before the first step) must still abort the request `add` then adds.
-            await self.call(add)
+            try:
+                await self.call(add)
+            finally:
+                self._num_adding -= 1
             while True:
                 item = await own.queue.get()
                 if isinstance(item, BaseException):

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from sessionserve.core.guided import GuidedDecoding
 from sessionserve.core.sampling_params import SamplingParams
+from sessionserve.core.session_manager import SessionMovingError
 from sessionserve.llm_engine import LLMEngine, RequestOutput
 from sessionserve.server import protocol as P
 from sessionserve.server.app import engine_error, read_json
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from sessionserve.server.app import ServerState
 
 SESSION_HEADER = "x-session-id"
+# How long a turn waits for its session's KV to finish moving between tiers before a 409.
+MOVE_WAIT_S = 10.0
 
 
 @dataclass(slots=True)
@@ -131,14 +134,22 @@ def register(app: FastAPI, state: ServerState) -> None:
                 state.metrics.sample_implicit(index)
                 return Turn(new, ikey)
             source = prepare_implicit
-        try:
-            async for out in state.bridge.generate(source, params, rid, session_id=key, salt=tenant_salt(tenant),
-                                                   priority=priority):
-                yield out
-        except P.OpenAIError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
-            raise engine_error(exc) from exc
+        deadline = time.monotonic() + MOVE_WAIT_S
+        while True:
+            try:
+                async for out in state.bridge.generate(source, params, rid, session_id=key,
+                                                       salt=tenant_salt(tenant), priority=priority):
+                    yield out
+                return
+            except SessionMovingError as exc:
+                # Raised while adding the turn, before any output: wait out the copy and add it again.
+                if time.monotonic() > deadline:
+                    raise engine_error(exc) from exc
+                await asyncio.sleep(0.01)
+            except P.OpenAIError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
+                raise engine_error(exc) from exc
 
     def check_in_flight(tenant: str) -> None:
         """429 when `tenant` already has its limit of generation requests in flight."""
