@@ -139,9 +139,8 @@ class LLMEngine:
 
     def _make_proposer(self, config: Config) -> tuple[Proposer | None, SpecPolicy]:
         spec = config.speculative
-        gpu = self.runner.device.type == "cuda"
-        policy = SpecPolicy(max_tokens=spec.num_speculative_tokens, adaptive=spec.spec_adaptive,
-                            saturation_tokens=256 if gpu else 16)
+        # The engine measures where decode steps turn compute-bound (core.spec.StepCostFit).
+        policy = SpecPolicy(max_tokens=spec.num_speculative_tokens, adaptive=spec.spec_adaptive)
         if spec.speculative_method == "ngram":
             return NgramProposer(spec.ngram_max, spec.ngram_min), policy
         if spec.speculative_method == "draft":

@@ -15,23 +15,16 @@ import pytest
 from sessionserve import LLMEngine, SamplingParams
 from sessionserve.config import Config
 from sessionserve.server.chat import continue_session
+from tests.engine.test_sessions import run_to_end
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-
-
-def _run(eng: LLMEngine, rid: str) -> list[int]:
-    for _ in range(200):
-        for out in eng.step():
-            if out.request_id == rid and out.finished:
-                return out.token_ids
-    raise AssertionError("request did not finish")
 
 
 def test_abort_after_history_rewrite_keeps_the_session_usable(tiny_llama: Path, tmp_path: Path) -> None:
     eng = LLMEngine(Config.from_kwargs(num_blocks=64, block_size=16, host_kv_bytes=0), tiny_llama)
     sid = eng.open_session("alice/s", tenant="alice")
     first = list(range(100, 140))  # 40 tokens: two full blocks, committed to the prefix index
-    _run(eng, eng.add_request(first, GREEDY, session_id=sid))
+    run_to_end(eng, eng.add_request(first, GREEDY, session_id=sid))
 
     rewritten = first[:3] + list(range(500, 530))  # the client rewrote everything after 3 tokens
     new, reused = continue_session(eng, sid, rewritten, "alice")
@@ -40,7 +33,7 @@ def test_abort_after_history_rewrite_keeps_the_session_usable(tiny_llama: Path, 
     assert eng.abort(rid)  # the client hung up before the first step
 
     new, _ = continue_session(eng, sid, rewritten, "alice")
-    _run(eng, eng.add_request(new, GREEDY, session_id=sid))
+    run_to_end(eng, eng.add_request(new, GREEDY, session_id=sid))
     assert eng.get_session(sid).state.value == "parked"
     eng.close_session(sid)
     eng.kv.check_integrity()
@@ -59,7 +52,7 @@ def test_rewrite_rejected_while_the_kv_moves_leaves_the_session_unchanged(tiny_l
                                        residency_policy="keep"), tiny_llama)
     sid = eng.open_session("alice/s", tenant="alice")
     first = list(range(100, 140))
-    _run(eng, eng.add_request(first, GREEDY, session_id=sid))
+    run_to_end(eng, eng.add_request(first, GREEDY, session_id=sid))
     session = eng.get_session(sid)
     eng.sessions.apply(ResidencyAction(ActionKind.OFFLOAD, sid, Tier.HOST), time.monotonic())
     for _ in range(400):
