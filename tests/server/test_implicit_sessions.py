@@ -147,6 +147,21 @@ def test_resolve_checks_the_indexed_prompts_partial_tail() -> None:
     assert imp.resolve(eng, "t", prompt + [40, 41], b"") == sid
 
 
+def test_find_is_repeatable_until_the_turn_is_committed() -> None:
+    # A turn refused while its session's KV moves between tiers is added again later: the retry must find
+    # the same session, not a new one (the index learns the new prompt only once the turn was added).
+    eng = _Engine()
+    imp = ImplicitSessions(block_size=4)
+    prompt = list(range(12))
+    sid = imp.resolve(eng, "t", prompt, b"")
+    eng.turn(f"t/{sid}", "t", prompt + [50, 51])
+    longer = prompt + [50, 51, 60, 61]
+    assert imp.find(eng, "t", longer, b"") == (sid, "hit")
+    assert imp.find(eng, "t", longer, b"") == (sid, "hit") and imp.num_hits == 0
+    imp.commit(eng, "t", sid, "hit", longer, b"")
+    assert imp.num_hits == 1 and imp.num_opened == 1 and imp.num_requests == 2
+
+
 def test_fork_via_sessions_api_shares_the_parents_blocks(server: LiveServer) -> None:
     import httpx
 

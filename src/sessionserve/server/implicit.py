@@ -55,8 +55,17 @@ class ImplicitSessions:
         return len(self._lru)
 
     def resolve(self, eng: LLMEngine, tenant: str, prompt: Sequence[int], salt: bytes) -> str:
-        """The session id (without tenant) this prompt continues, or a new implicit one (opened by the caller)."""
-        self.num_requests += 1
+        """`find` and `commit` in one: the session id (without tenant) this prompt's turn runs in."""
+        sid, kind = self.find(eng, tenant, prompt, salt)
+        self.commit(eng, tenant, sid, kind, prompt, salt)
+        return sid
+
+    def find(self, eng: LLMEngine, tenant: str, prompt: Sequence[int], salt: bytes) -> tuple[str, str]:
+        """The session id (without tenant) this prompt continues, or a new one; and which: hit, fork or new.
+
+        Changes nothing a retry would see differently: the index learns the prompt only in `commit`, once
+        the turn was added (a turn refused while its session's KV moves between tiers finds the same).
+        """
         busy = False
         for key, n in self.index.candidates(prompt, salt):
             session = eng.get_session(key)
@@ -68,16 +77,19 @@ class ImplicitSessions:
             if session.state is SessionState.RUNNING:
                 busy = True
                 continue
+            return key.split("/", 1)[1], "hit"
+        return f"{IMPLICIT_PREFIX}{uuid.uuid4().hex[:20]}", "fork" if busy else "new"
+
+    def commit(self, eng: LLMEngine, tenant: str, sid: str, kind: str, prompt: Sequence[int], salt: bytes) -> None:
+        """Index `prompt` as the latest of session `sid` and count the request; a new one may evict an idle one."""
+        self.num_requests += 1
+        if kind == "hit":
             self.num_hits += 1
-            self._touch(key, prompt, salt)
-            return key.split("/", 1)[1]
-        if busy:
-            self.num_forks += 1
-        self._make_room(eng)
-        sid = f"{IMPLICIT_PREFIX}{uuid.uuid4().hex[:20]}"
+        else:
+            self.num_forks += kind == "fork"
+            self.num_opened += 1
+            self._make_room(eng)
         self._touch(f"{tenant}/{sid}", prompt, salt)
-        self.num_opened += 1
-        return sid
 
     def _touch(self, key: str, prompt: Sequence[int], salt: bytes) -> None:
         self.index.register(key, prompt, salt)

@@ -127,9 +127,11 @@ def register(app: FastAPI, state: ServerState) -> None:
             index = state.implicit
 
             def prepare_implicit(e: LLMEngine) -> Turn:
-                found = index.resolve(e, tenant, prompt, tenant_salt(tenant))
+                salt = tenant_salt(tenant)
+                found, kind = index.find(e, tenant, prompt, salt)
                 ikey = session_key(tenant, found)
                 new, _ = continue_session(e, ikey, prompt, tenant, priority or "interactive")
+                index.commit(e, tenant, found, kind, prompt, salt)
                 target.sid = found
                 state.metrics.sample_implicit(index)
                 return Turn(new, ikey)
