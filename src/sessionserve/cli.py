@@ -7,7 +7,9 @@ import sys
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face model folder (default: the embedded model)")
+    parser.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH",
+                        help="Hugging Face model folder (default: the embedded model); serve takes several as "
+                             "NAME=PATH (e.g. large=... small=...), each an engine of its own, and adds model 'auto'")
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="device-tier KV budget in bytes")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -25,10 +27,33 @@ def _spec_kwargs(args: argparse.Namespace) -> dict:
                 num_speculative_tokens=args.num_speculative_tokens)
 
 
+def model_specs(values: list[str] | None) -> list[tuple[str | None, str | None]]:
+    """`--model` values as (served name or None, folder or None for the embedded model)."""
+    if not values:
+        return [(None, None)]
+    specs: list[tuple[str | None, str | None]] = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        specs.append((name, path) if sep and name and "/" not in name else (None, value))
+    if len(specs) > 1 and any(name is None for name, _ in specs):
+        raise SystemExit("several --model values must each be NAME=PATH")
+    names = [name for name, _ in specs]
+    if len(set(names)) != len(names):
+        raise SystemExit("--model names must differ")
+    return specs
+
+
+def _single_model(args: argparse.Namespace) -> str | None:
+    specs = model_specs(args.model)
+    if len(specs) > 1:
+        raise SystemExit("this command takes one --model")
+    return specs[0][1]
+
+
 def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - imports torch lazily
     from sessionserve import LLM
 
-    return LLM(model=args.model, kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+    return LLM(model=_single_model(args), kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                dtype=args.dtype, device=args.device, **_spec_kwargs(args))
 
@@ -37,10 +62,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.replicas > 1:  # several engine replicas behind the session-aware router, on Ray Serve
         from sessionserve.router.ray_app import serve_from_args
 
+        args.model = _single_model(args)
         return serve_from_args(args)
     import logging
 
     import uvicorn
+
+    from pathlib import Path
 
     from sessionserve.config import Config
     from sessionserve.llm import resolve_model_path
@@ -51,13 +79,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from sessionserve.obs.tracing import Tracer, configure_logging
 
     configure_logging(logging.INFO)
-    config = Config.from_env(Config.from_kwargs(
-        kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, dtype=args.dtype,
-        device=args.device, residency_policy=args.residency_policy, host_kv_bytes=args.host_kv_bytes,
-        disk_kv_bytes=args.disk_kv_bytes, spool_dir=args.spool_dir, **_spec_kwargs(args)))
-    engine = LLMEngine(config, resolve_model_path(args.model))
-    app = create_app(engine, model_name=args.served_model_name, auth=Auth.from_options(args.api_key, args.keys_file),
+    def config(spool_dir: str | None) -> Config:
+        return Config.from_env(Config.from_kwargs(
+            kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, dtype=args.dtype,
+            device=args.device, residency_policy=args.residency_policy, host_kv_bytes=args.host_kv_bytes,
+            disk_kv_bytes=args.disk_kv_bytes, spool_dir=spool_dir, **_spec_kwargs(args)))
+
+    specs = model_specs(args.model)
+    if len(specs) == 1:
+        engines: LLMEngine | dict[str, LLMEngine] = LLMEngine(config(args.spool_dir), resolve_model_path(specs[0][1]))
+    else:  # one engine per model, each with the engine flags (its own KV budget, tiers and spool folder)
+        engines = {name: LLMEngine(config(args.spool_dir and str(Path(args.spool_dir) / name)),
+                                   resolve_model_path(path)) for name, path in specs}
+    app = create_app(engines, model_name=args.served_model_name, auth=Auth.from_options(args.api_key, args.keys_file),
                      max_queued_requests=args.max_queued_requests, tracer=Tracer(args.trace))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
                 log_config=None)

@@ -87,8 +87,8 @@ def test_hundreds_of_hang_ups_leak_no_request_and_no_block(server: LiveServer) -
         assert info["state"] == "parked", info
 
     text = httpx.get(server.url + "/metrics").text
-    running = [ln for ln in text.splitlines() if ln.startswith("sessionserve_num_requests_running ")]
-    assert running == ["sessionserve_num_requests_running 0.0"], running
+    running = [ln for ln in text.splitlines() if ln.startswith("sessionserve_num_requests_running{")]
+    assert len(running) == 1 and running[0].endswith("} 0.0"), running
 
     wait_idle(server)
     assert close_all_sessions(server) >= NUM_WORKERS

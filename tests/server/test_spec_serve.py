@@ -19,7 +19,7 @@ MESSAGES = [{"role": "user", "content": "import os\nimport sys\nimport os\nimpor
 
 def _spec_counter(url: str, what: str) -> float:
     text = httpx.get(url + "/metrics").text
-    m = re.search(rf'sessionserve_spec_decode_tokens{{what="{what}"}} ([0-9.e+]+)', text)
+    m = re.search(rf'sessionserve_spec_decode_tokens{{model="[^"]+",what="{what}"}} ([0-9.e+]+)', text)
     assert m is not None, text[:500]
     return float(m.group(1))
 

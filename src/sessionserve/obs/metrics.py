@@ -30,29 +30,36 @@ class Metrics:
         self.generation_tokens = Counter("sessionserve_generation_tokens", "Tokens generated", labels, registry=r)
         self.errors = Counter("sessionserve_request_errors", "Requests answered with an error", ["status"],
                               registry=r)
-        self.queue_depth = Gauge("sessionserve_num_requests_waiting", "Requests waiting to run", registry=r)
-        self.running = Gauge("sessionserve_num_requests_running", "Requests running", registry=r)
-        self.sessions = Gauge("sessionserve_sessions", "Open sessions by state/residency", ["residency"], registry=r)
-        self.kv_blocks = Gauge("sessionserve_kv_blocks", "KV blocks in use by tier", ["tier"], registry=r)
+        # Engine gauges carry the model's name: a server may run several engines.
+        self.queue_depth = Gauge("sessionserve_num_requests_waiting", "Requests waiting to run", labels, registry=r)
+        self.running = Gauge("sessionserve_num_requests_running", "Requests running", labels, registry=r)
+        self.sessions = Gauge("sessionserve_sessions", "Open sessions by state/residency", labels + ["residency"],
+                              registry=r)
+        self.kv_blocks = Gauge("sessionserve_kv_blocks", "KV blocks in use by tier", labels + ["tier"], registry=r)
         self.prefix_hit_rate = Gauge("sessionserve_prefix_cache_hit_rate", "Prefix cache hit rate (tokens)",
-                                     registry=r)
+                                     labels, registry=r)
         self.recompute_tokens = Gauge("sessionserve_session_recompute_tokens", "Tokens recomputed after drops",
-                                      registry=r)
+                                      labels, registry=r)
         self.implicit = Gauge("sessionserve_implicit_sessions",
                               "Requests without a session id: requests, hits (continued a live session), forks, "
-                              "opened, evicted, open", ["what"], registry=r)
-        self.prefetch = Gauge("sessionserve_session_restores", "Session KV restores by outcome", ["outcome"],
-                              registry=r)
+                              "opened, evicted, open", labels + ["what"], registry=r)
+        self.prefetch = Gauge("sessionserve_session_restores", "Session KV restores by outcome",
+                              labels + ["outcome"], registry=r)
         self.spec_tokens = Gauge("sessionserve_spec_decode_tokens",
                                  "Speculative decoding: tokens proposed, accepted; verification steps",
-                                 ["what"], registry=r)
-        self.step_seconds = Histogram("sessionserve_engine_step_seconds", "Engine step time",
+                                 labels + ["what"], registry=r)
+        self.step_seconds = Histogram("sessionserve_engine_step_seconds", "Engine step time", labels,
                                       buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
                                       registry=r)
+        self.route_steps = Counter("sessionserve_route_steps", "Chat steps of model 'auto' by the model that ran "
+                                   "them and why", ["routed_to", "reason"], registry=r)
+        self.route_escalations = Counter("sessionserve_route_escalations",
+                                         "Execution steps run again on the large model after the small one's "
+                                         "answer failed validation", ["reason"], registry=r)
 
     def record_request(self, *, ttft_s: float | None, e2e_s: float, num_prompt: int, num_cached: int,
-                       num_output: int, finish_reason: str) -> None:
-        m = self.model
+                       num_output: int, finish_reason: str, model: str | None = None) -> None:
+        m = model or self.model
         if ttft_s is not None:
             self.ttft.labels(m).observe(ttft_s)
             if num_output > 1:
@@ -63,34 +70,36 @@ class Metrics:
         self.cached_tokens.labels(m).inc(num_cached)
         self.generation_tokens.labels(m).inc(num_output)
 
-    def sample_engine(self, eng, step_s: float) -> None:  # noqa: ANN001 - LLMEngine, imported lazily
+    def sample_engine(self, eng, step_s: float, model: str | None = None) -> None:  # noqa: ANN001 - LLMEngine
         """Gauges from the engine's state; called in the engine thread."""
-        self.step_seconds.observe(step_s)
+        m = model or self.model
+        self.step_seconds.labels(m).observe(step_s)
         sched = eng.core.scheduler
-        self.queue_depth.set(len(sched.waiting))
-        self.running.set(len(sched.running))
+        self.queue_depth.labels(m).set(len(sched.waiting))
+        self.running.labels(m).set(len(sched.running))
         usage = eng.kv_usage()
-        self.kv_blocks.labels("device").set(usage["device_blocks_used"])
-        self.kv_blocks.labels("host").set(usage.get("host_blocks_used", 0))
-        self.kv_blocks.labels("disk").set(usage.get("disk_bytes_used", 0) // max(1, usage["block_bytes"]))
+        self.kv_blocks.labels(m, "device").set(usage["device_blocks_used"])
+        self.kv_blocks.labels(m, "host").set(usage.get("host_blocks_used", 0))
+        self.kv_blocks.labels(m, "disk").set(usage.get("disk_bytes_used", 0) // max(1, usage["block_bytes"]))
         for key in ("running", "device", "host", "disk", "offloading", "restoring", "none"):
-            self.sessions.labels(key).set(usage.get(f"sessions_{key}", 0))
+            self.sessions.labels(m, key).set(usage.get(f"sessions_{key}", 0))
         q, hit, _ = eng.kv.pool.stats()
-        self.prefix_hit_rate.set(hit / q if q else 0.0)
+        self.prefix_hit_rate.labels(m).set(hit / q if q else 0.0)
         core = eng.core
-        self.spec_tokens.labels("proposed").set(core.num_spec_proposed)
-        self.spec_tokens.labels("accepted").set(core.num_spec_accepted)
-        self.spec_tokens.labels("steps").set(core.num_spec_steps)
+        self.spec_tokens.labels(m, "proposed").set(core.num_spec_proposed)
+        self.spec_tokens.labels(m, "accepted").set(core.num_spec_accepted)
+        self.spec_tokens.labels(m, "steps").set(core.num_spec_steps)
         total = eng.sessions.total_stats()
-        self.recompute_tokens.set(total.num_recompute_tokens)
-        self.prefetch.labels("hit").set(total.num_prefetch_hits)
-        self.prefetch.labels("late").set(total.num_prefetch_late)
-        self.prefetch.labels("miss").set(total.num_restore_misses)
+        self.recompute_tokens.labels(m).set(total.num_recompute_tokens)
+        self.prefetch.labels(m, "hit").set(total.num_prefetch_hits)
+        self.prefetch.labels(m, "late").set(total.num_prefetch_late)
+        self.prefetch.labels(m, "miss").set(total.num_restore_misses)
 
-    def sample_implicit(self, implicit) -> None:  # noqa: ANN001 - server.implicit.ImplicitSessions
+    def sample_implicit(self, implicit, model: str | None = None) -> None:  # noqa: ANN001 - ImplicitSessions
+        m = model or self.model
         for what in ("requests", "hits", "forks", "opened", "evicted"):
-            self.implicit.labels(what).set(getattr(implicit, f"num_{what}"))
-        self.implicit.labels("open").set(implicit.num_open)
+            self.implicit.labels(m, what).set(getattr(implicit, f"num_{what}"))
+        self.implicit.labels(m, "open").set(implicit.num_open)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

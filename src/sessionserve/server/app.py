@@ -1,7 +1,10 @@
 """The FastAPI application: auth, errors, health, metrics, models; the OpenAI and session routes.
 
-`create_app(engine, ...)` wires an `LLMEngine` behind the async bridge. Every
-error leaves as OpenAI's error JSON with the right status code.
+`create_app(engine, ...)` wires an `LLMEngine` (or several, by served name)
+behind async bridges, one engine thread each. With two or more models, the
+`auto` model routes each chat step by `ModelRoutePolicy` (plan steps to the
+large model, execution steps to the small one). Every error leaves as
+OpenAI's error JSON with the right status code.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sessionserve.core.session_manager import SessionBusyError
 from sessionserve.llm_engine import LLMEngine
+from sessionserve.router.model_route import ModelRoutePolicy
 from sessionserve.obs.metrics import Metrics
 from sessionserve.obs.tracing import Tracer, request_id_var
 from sessionserve.server.auth import Auth
@@ -31,9 +35,22 @@ from sessionserve.server.protocol import OpenAIError, format_validation_errors
 logger = logging.getLogger("sessionserve.server")
 
 
+AUTO_MODEL = "auto"
+
+
+@dataclass
+class ModelSlot:
+    """One served model: its engine, the bridge to its engine thread, its implicit-session index."""
+
+    name: str
+    engine: LLMEngine
+    bridge: AsyncEngine
+    implicit: ImplicitSessions | None
+
+
 @dataclass
 class ServerState:
-    engine: LLMEngine
+    engine: LLMEngine  # the default model's (the first one)
     bridge: AsyncEngine
     auth: Auth
     metrics: Metrics
@@ -47,26 +64,58 @@ class ServerState:
     # Generation requests in flight per tenant, and the most each may have (beyond: 429).
     max_requests_per_tenant: int = 256
     in_flight: dict[str, int] = field(default_factory=dict)
+    # Every served model by name, the default one first.
+    models: dict[str, ModelSlot] = field(default_factory=dict)
+    # How `model: "auto"` chooses between two of them (None: no `auto`).
+    route: ModelRoutePolicy | None = None
+
+    def slot(self, name: str) -> ModelSlot:
+        return self.models[name]
+
+    @property
+    def default(self) -> ModelSlot:
+        return next(iter(self.models.values()))
 
 
-def create_app(engine: LLMEngine, *, model_name: str | None = None, auth: Auth | None = None,
+def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | None = None, auth: Auth | None = None,
                max_queued_requests: int = 1024, max_request_bytes: int = 8 << 20,
                max_sessions_per_tenant: int = 1000, tracer: Tracer | None = None,
                implicit_sessions: bool = True, max_implicit_sessions: int = 256,
-               max_requests_per_tenant: int = 256) -> FastAPI:
-    name = model_name or engine.model_dir.name
+               max_requests_per_tenant: int = 256, route: ModelRoutePolicy | None = None) -> FastAPI:
+    """The app over one engine, or over several (`{served name: engine}`, the first is the default).
+
+    With several, `route` (default: `default_route`) serves `model: "auto"`.
+    """
+    engines = dict(engine) if isinstance(engine, dict) else {model_name or engine.model_dir.name: engine}
+    if not engines:
+        raise ValueError("create_app needs at least one engine")
+    if AUTO_MODEL in engines or "default" in engines:
+        raise ValueError(f"'{AUTO_MODEL}' and 'default' are reserved model names")
+    name = next(iter(engines))
     metrics = Metrics(name)
-    bridge = AsyncEngine(engine, max_queued_requests=max_queued_requests, on_step=metrics.sample_engine)
+    slots = {
+        n: ModelSlot(n, e, AsyncEngine(e, max_queued_requests=max_queued_requests,
+                                       on_step=lambda eng, dt, n=n: metrics.sample_engine(eng, dt, n)),
+                     ImplicitSessions(e.runner.block_size, max_implicit_sessions) if implicit_sessions else None)
+        for n, e in engines.items()}
+    if route is None and len(slots) > 1:
+        route = default_route(engines)
+    if route is not None and not {route.large, route.small} <= set(slots):
+        raise ValueError(f"route models {route.large!r}/{route.small!r} are not all served")
+    first = slots[name]
+    engine = first.engine
+    bridge = first.bridge
     state = ServerState(engine, bridge, auth or Auth(), metrics, tracer or Tracer(None), name, int(time.time()),
-                        max_request_bytes, max_sessions_per_tenant,
-                        ImplicitSessions(engine.runner.block_size, max_implicit_sessions) if implicit_sessions else None,
-                        max_requests_per_tenant)
+                        max_request_bytes, max_sessions_per_tenant, first.implicit, max_requests_per_tenant,
+                        models=slots, route=route)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
-        bridge.start()
+        for slot in slots.values():
+            slot.bridge.start()
         yield
-        await bridge.shutdown()
+        for slot in slots.values():
+            await slot.bridge.shutdown()
         state.tracer.shutdown()
 
     app = FastAPI(title="sessionserve", version="0.1.0", lifespan=lifespan)
@@ -113,7 +162,7 @@ def create_app(engine: LLMEngine, *, model_name: str | None = None, auth: Auth |
 
     @app.get("/health")
     async def health() -> Response:
-        if not bridge.is_alive:
+        if not all(slot.bridge.is_alive for slot in slots.values()):
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -123,9 +172,14 @@ def create_app(engine: LLMEngine, *, model_name: str | None = None, auth: Auth |
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "sessionserve",
-                                            "max_model_len": engine.max_model_len}]}
+        data = [{"id": slot.name, "object": "model", "created": state.created, "owned_by": "sessionserve",
+                 "max_model_len": slot.engine.max_model_len} for slot in slots.values()]
+        if route is not None:
+            data.append({"id": AUTO_MODEL, "object": "model", "created": state.created, "owned_by": "sessionserve",
+                         "max_model_len": min(slots[route.large].engine.max_model_len,
+                                              slots[route.small].engine.max_model_len),
+                         "routes": {"plan": route.large, "execute": route.small}})
+        return {"object": "list", "data": data}
 
     from sessionserve.server.routes_openai import register as register_openai
     from sessionserve.server.routes_sessions import register as register_sessions
@@ -133,6 +187,15 @@ def create_app(engine: LLMEngine, *, model_name: str | None = None, auth: Auth |
     register_openai(app, state)
     register_sessions(app, state)
     return app
+
+
+def default_route(engines: dict[str, LLMEngine]) -> ModelRoutePolicy:
+    """Plan on the model with the most parameters, execute on the one with the fewest."""
+    def size(name: str) -> int:
+        return sum(p.numel() for p in engines[name].runner.model.parameters())
+
+    ranked = sorted(engines, key=size)
+    return ModelRoutePolicy(large=ranked[-1], small=ranked[0])
 
 
 def error_response(exc: OpenAIError, state: ServerState) -> JSONResponse:

@@ -5,14 +5,26 @@ continues that session: only the tokens past what the session holds are
 prefilled, and when the reply ends in tool calls the session parks with the
 tools' names (and the client's `expected_wait_s`, if given) for the
 residency policy.
+
+`model: "auto"` (a server with two or more models) routes each chat step:
+plan steps to the large model, execution steps (after successful tool
+results) to the small one (`router.model_route`). A small model's answer
+whose tool calls fail validation is run again on the large model (an
+escalation, counted; the session stays on the large model for a few steps).
+A session's context follows it from model to model: each engine keeps its own
+copy of the session and prefills only what it lacks. When the small model's
+step may be escalated and the request streams, its answer is checked before
+the first chunk goes out, so a client never sees an answer that is replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,8 +37,9 @@ from sessionserve.core.guided import GuidedDecoding
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.core.session_manager import SessionMovingError
 from sessionserve.llm_engine import LLMEngine, RequestOutput
+from sessionserve.router.model_route import step_view, validate_tool_calls
 from sessionserve.server import protocol as P
-from sessionserve.server.app import engine_error, read_json
+from sessionserve.server.app import AUTO_MODEL, ModelSlot, engine_error, read_json
 from sessionserve.server.auth import tenant_salt
 from sessionserve.server.bridge import Turn
 from sessionserve.server.chat import continue_session, render_chat
@@ -39,6 +52,9 @@ if TYPE_CHECKING:
 SESSION_HEADER = "x-session-id"
 # How long a turn waits for its session's KV to finish moving between tiers before a 409.
 MOVE_WAIT_S = 10.0
+# Sessions whose steps since their last escalation `auto` remembers (least recently routed forgotten first).
+MAX_ROUTED_SESSIONS = 10_000
+ROUTE_HEADER = "x-sessionserve-route"
 
 
 @dataclass(slots=True)
@@ -63,14 +79,40 @@ def session_key(tenant: str, session_id: str) -> str:
 
 def register(app: FastAPI, state: ServerState) -> None:
     tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
-    eng = state.engine
+    # Per routed session (tenant/id): steps since its last escalation.
+    steps_since_escalation: OrderedDict[str, int] = OrderedDict()
 
-    def check_model(model: str) -> None:
-        if model not in (state.model_name, "default"):
+    def model_slot(model: str) -> ModelSlot | None:
+        """The served model a request names; None for `auto` (chosen per step)."""
+        if model == "default":
+            return state.default
+        if model == AUTO_MODEL and state.route is not None:
+            return None
+        if model not in state.models:
             raise P.OpenAIError(404, f"The model '{model}' does not exist.", "not_found_error", param="model",
                                 code="model_not_found")
+        return state.models[model]
 
-    def make_params(req: Any, num_prompt: int, guided: GuidedDecoding | None) -> SamplingParams:
+    def route_step(messages: list[dict[str, Any]], tenant: str, sid: str | None) -> tuple[ModelSlot, str]:
+        """The model an `auto` chat step runs on, and why."""
+        assert state.route is not None
+        key = session_key(tenant, sid) if sid else None
+        since = steps_since_escalation.get(key) if key else None
+        name, why = state.route.choose(step_view(messages), since)
+        if key is not None and since is not None:
+            steps_since_escalation[key] = since + 1
+            steps_since_escalation.move_to_end(key)
+        return state.models[name], why
+
+    def note_escalation(tenant: str, sid: str | None) -> None:
+        if sid:
+            key = session_key(tenant, sid)
+            steps_since_escalation[key] = 0
+            steps_since_escalation.move_to_end(key)
+            while len(steps_since_escalation) > MAX_ROUTED_SESSIONS:
+                steps_since_escalation.popitem(last=False)
+
+    def make_params(req: Any, num_prompt: int, guided: GuidedDecoding | None, eng: LLMEngine) -> SamplingParams:
         room = eng.max_model_len - num_prompt
         if room < 1:
             raise P.OpenAIError(400, f"This model's maximum context length is {eng.max_model_len} tokens; the "
@@ -94,7 +136,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         return sid
 
     async def run(request: Request, prompt: list[int], params: SamplingParams, target: SessionTarget,
-                  priority: str | None, implicit: bool = False) -> AsyncIterator[RequestOutput]:
+                  priority: str | None, slot: ModelSlot, implicit: bool = False) -> AsyncIterator[RequestOutput]:
         """Generate for `prompt`; with `implicit` and no session id, find (or open) the conversation's session.
 
         `target.sid` holds the session id the turn ran in once it was added.
@@ -103,7 +145,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         check_in_flight(tenant)
         state.in_flight[tenant] = state.in_flight.get(tenant, 0) + 1
         try:
-            async for out in _run(request, tenant, prompt, params, target, priority, implicit):
+            async for out in _run(request, tenant, prompt, params, target, priority, slot, implicit):
                 yield out
         finally:
             state.in_flight[tenant] -= 1
@@ -111,7 +153,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                 del state.in_flight[tenant]
 
     async def _run(request: Request, tenant: str, prompt: list[int], params: SamplingParams, target: SessionTarget,
-                   priority: str | None, implicit: bool) -> AsyncIterator[RequestOutput]:
+                   priority: str | None, slot: ModelSlot, implicit: bool) -> AsyncIterator[RequestOutput]:
         rid = f"{request.state.request_id}"
         sid = target.sid
         key = session_key(tenant, sid) if sid else None
@@ -123,8 +165,8 @@ def register(app: FastAPI, state: ServerState) -> None:
                 new, _ = continue_session(e, key, prompt, tenant, priority or "interactive")
                 return new
             source = prepare
-        elif implicit and state.implicit is not None:
-            index = state.implicit
+        elif implicit and slot.implicit is not None:
+            index = slot.implicit
 
             def prepare_implicit(e: LLMEngine) -> Turn:
                 salt = tenant_salt(tenant)
@@ -133,13 +175,13 @@ def register(app: FastAPI, state: ServerState) -> None:
                 new, _ = continue_session(e, ikey, prompt, tenant, priority or "interactive")
                 index.commit(e, tenant, found, kind, prompt, salt)
                 target.sid = found
-                state.metrics.sample_implicit(index)
+                state.metrics.sample_implicit(index, slot.name)
                 return Turn(new, ikey)
             source = prepare_implicit
         deadline = time.monotonic() + MOVE_WAIT_S
         while True:
             try:
-                async for out in state.bridge.generate(source, params, rid, session_id=key,
+                async for out in slot.bridge.generate(source, params, rid, session_id=key,
                                                        salt=tenant_salt(tenant), priority=priority):
                     yield out
                 return
@@ -168,7 +210,8 @@ def register(app: FastAPI, state: ServerState) -> None:
                                 param="priority")
         return value
 
-    async def park(request: Request, sid: str | None, tool_names: list[str], expected_wait_s: float | None) -> None:
+    async def park(request: Request, sid: str | None, tool_names: list[str], expected_wait_s: float | None,
+                   slot: ModelSlot) -> None:
         if not sid or not tool_names:
             return
         key = session_key(request.state.tenant, sid)
@@ -177,11 +220,13 @@ def register(app: FastAPI, state: ServerState) -> None:
             if e.get_session(key) is not None:
                 e.park(key, tuple(tool_names), expected_wait_s)
 
-        await state.bridge.call(do)
+        await slot.bridge.call(do)
 
     wall_offset_s = time.time() - time.monotonic()
 
-    def record(out: RequestOutput, t0: float, request: Request, sid: str | None, endpoint: str = "chat") -> None:
+    def record(out: RequestOutput, t0: float, request: Request, sid: str | None, slot: ModelSlot,
+               endpoint: str = "chat") -> None:
+        eng = slot.engine
         stats = None
         if sid is not None:
             # A read of counters the engine thread owns: at worst one step stale, which a trace tolerates.
@@ -198,31 +243,62 @@ def register(app: FastAPI, state: ServerState) -> None:
                         "sessionserve.cached_tokens": out.num_cached_tokens,
                         "gen_ai.response.finish_reason": out.finish_reason})
         state.metrics.record_request(
-            ttft_s=(out.first_token_s - out.arrival_s) if out.first_token_s else None, e2e_s=time.monotonic() - t0,
-            num_prompt=len(out.prompt_token_ids), num_cached=out.num_cached_tokens,
+            model=slot.name, ttft_s=(out.first_token_s - out.arrival_s) if out.first_token_s else None,
+            e2e_s=time.monotonic() - t0, num_prompt=len(out.prompt_token_ids), num_cached=out.num_cached_tokens,
             num_output=len(out.token_ids), finish_reason=out.finish_reason or "abort")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         req = P.parse_chat_request(await read_json(request))
-        check_model(req.model)
+        chosen = model_slot(req.model)
         sid = session_of(request, req.session_id)
+        tenant = request.state.tenant
         messages = req.template_messages()
         tools = req.template_tools()
-        loop = asyncio.get_running_loop()
-        try:
-            prompt = await loop.run_in_executor(tokenize_pool, render_chat, eng.tokenizer, messages, tools)
-        except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-            raise P.OpenAIError(400, f"Could not render the messages: {exc}", "invalid_request_error",
-                                param="messages") from None
+        if chosen is None:
+            slot, why = route_step(messages, tenant, sid)
+        else:
+            slot, why = chosen, None
         guided = P.guided_decoding(req)
-        params = make_params(req, len(prompt), guided)
         use_tools = bool(tools) and req.tool_choice != "none"
         tool_names = set(req.tool_names or ())
         created, cid, t0 = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", time.monotonic()
-        check_in_flight(request.state.tenant)  # before a stream's headers go out; counted when it starts
+        check_in_flight(tenant)  # before a stream's headers go out; counted when it starts
         target = SessionTarget(sid)
-        outputs = run(request, prompt, params, target, request_priority(request, req.priority), implicit=True)
+        priority = request_priority(request, req.priority)
+
+        async def start(on: ModelSlot) -> AsyncIterator[RequestOutput]:
+            try:
+                prompt = await asyncio.get_running_loop().run_in_executor(
+                    tokenize_pool, render_chat, on.engine.tokenizer, messages, tools)
+            except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+                raise P.OpenAIError(400, f"Could not render the messages: {exc}", "invalid_request_error",
+                                    param="messages") from None
+            params = make_params(req, len(prompt), guided, on.engine)
+            return run(request, prompt, params, target, priority, on, implicit=True)
+
+        def answer(final: RequestOutput) -> tuple[str | None, list[dict[str, Any]]]:
+            return parse_tool_calls(final.text, tool_names) if use_tools else (final.text, [])
+
+        outputs = await start(slot)
+        escalated_from: ModelSlot | None = None
+        if chosen is None and use_tools and slot.name == state.route.small:  # type: ignore[union-attr]
+            # The small model's answer is checked before any of it goes out; a bad one runs on the large model.
+            final = await _collect(request, outputs)
+            problem = _answer_problem(final.text, *answer(final), tools, req.tool_choice)
+            if problem is None:
+                outputs = _replay(final)
+            else:
+                state.metrics.route_escalations.labels(problem.split(":")[0]).inc()
+                note_escalation(tenant, sid)
+                escalated_from, why = slot, f"escalated: {problem}"
+                record(final, t0, request, target.sid, slot)
+                slot = state.models[state.route.large]  # type: ignore[union-attr]
+                outputs = await start(slot)
+        if chosen is None:
+            state.metrics.route_steps.labels(slot.name, why or "").inc()
+        route_headers = {ROUTE_HEADER: f"{slot.name}; {why}"} if why else {}
+        model_name = slot.name
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -230,7 +306,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             async def sse() -> AsyncIterator[str]:
                 parser = StreamingToolParser(tool_names) if use_tools else None
                 called: list[str] = []
-                yield _sse(P.chat_chunk(cid, created, state.model_name, {"role": "assistant", "content": ""}))
+                yield _sse(P.chat_chunk(cid, created, model_name, {"role": "assistant", "content": ""}))
                 try:
                     async for out in outputs:
                         events = parser.feed(out.delta_text) if parser else [{"content": out.delta_text}]
@@ -239,34 +315,40 @@ def register(app: FastAPI, state: ServerState) -> None:
                         for delta in _merge_events(events):
                             called += [tc["function"]["name"] for tc in delta.get("tool_calls", [])
                                        if tc.get("function", {}).get("name")]
-                            yield _sse(P.chat_chunk(cid, created, state.model_name, delta))
+                            yield _sse(P.chat_chunk(cid, created, model_name, delta))
                         if out.finished:
                             reason = "tool_calls" if called else out.finish_reason
-                            yield _sse(P.chat_chunk(cid, created, state.model_name, {}, finish_reason=reason))
+                            yield _sse(P.chat_chunk(cid, created, model_name, {}, finish_reason=reason))
                             if include_usage:
-                                yield _sse(P.chat_chunk(cid, created, state.model_name, None, usage=_usage(out)))
-                            record(out, t0, request, target.sid)
-                            await park(request, target.sid, called, req.expected_wait_s)
+                                yield _sse(P.chat_chunk(cid, created, model_name, None, usage=_usage(out)))
+                            record(out, t0, request, target.sid, slot)
+                            await park(request, target.sid, called, req.expected_wait_s, slot)
                 except P.OpenAIError as exc:
                     yield _sse(exc.body())
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream",
-                                     headers={"x-request-id": request.state.request_id})
+                                     headers={"x-request-id": request.state.request_id, **route_headers})
 
         final = await _collect(request, outputs)
-        content, tool_calls = (parse_tool_calls(final.text, tool_names) if use_tools else (final.text, []))
+        content, tool_calls = answer(final)
         reason = "tool_calls" if tool_calls else final.finish_reason
-        record(final, t0, request, target.sid)
-        await park(request, target.sid, [tc["function"]["name"] for tc in tool_calls], req.expected_wait_s)
-        logprobs = _chat_logprobs(eng, final) if req.logprobs else None
-        return JSONResponse(P.chat_completion(cid, created, state.model_name, content, tool_calls, reason,
-                                              _usage(final), logprobs=logprobs))
+        record(final, t0, request, target.sid, slot)
+        await park(request, target.sid, [tc["function"]["name"] for tc in tool_calls], req.expected_wait_s, slot)
+        logprobs = _chat_logprobs(slot.engine, final) if req.logprobs else None
+        body = P.chat_completion(cid, created, model_name, content, tool_calls, reason, _usage(final),
+                                 logprobs=logprobs)
+        if escalated_from is not None:
+            body["escalated_from"] = escalated_from.name
+        return JSONResponse(body, headers=route_headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         req = P.parse_completion_request(await read_json(request))
-        check_model(req.model)
+        # `auto` routes chat steps; a bare completion has no step to classify and runs on the large model.
+        slot = model_slot(req.model) or state.models[state.route.large]  # type: ignore[union-attr]
+        eng = slot.engine
+        model_name = slot.name
         sid = session_of(request, req.session_id)
         if isinstance(req.prompt, str):  # the request model normalizes prompt to a string or token ids
             prompt = await asyncio.get_running_loop().run_in_executor(tokenize_pool, eng.tokenizer.encode, req.prompt)
@@ -276,10 +358,10 @@ def register(app: FastAPI, state: ServerState) -> None:
                 raise P.OpenAIError(400, "prompt token ids out of range", "invalid_request_error", param="prompt")
         if not prompt:
             raise P.OpenAIError(400, "The prompt is empty.", "invalid_request_error", param="prompt")
-        params = make_params(req, len(prompt), None)
+        params = make_params(req, len(prompt), None, eng)
         created, cid, t0 = int(time.time()), f"cmpl-{uuid.uuid4().hex}", time.monotonic()
         check_in_flight(request.state.tenant)
-        outputs = run(request, prompt, params, SessionTarget(sid), "interactive")
+        outputs = run(request, prompt, params, SessionTarget(sid), "interactive", slot)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -287,21 +369,21 @@ def register(app: FastAPI, state: ServerState) -> None:
                 try:
                     async for out in outputs:
                         if out.delta_text or out.finished:
-                            yield _sse(P.completion_chunk(cid, created, state.model_name, out.delta_text,
+                            yield _sse(P.completion_chunk(cid, created, model_name, out.delta_text,
                                                           out.finish_reason if out.finished else None))
                         if out.finished:
                             if include_usage:
-                                yield _sse(P.completion_chunk(cid, created, state.model_name, None, None,
+                                yield _sse(P.completion_chunk(cid, created, model_name, None, None,
                                                               usage=_usage(out)))
-                            record(out, t0, request, sid, "text")
+                            record(out, t0, request, sid, slot, "text")
                 except P.OpenAIError as exc:
                     yield _sse(exc.body())
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         final = await _collect(request, outputs)
-        record(final, t0, request, sid, "text")
-        return JSONResponse(P.completion(cid, created, state.model_name, final.text, final.finish_reason,
+        record(final, t0, request, sid, slot, "text")
+        return JSONResponse(P.completion(cid, created, model_name, final.text, final.finish_reason,
                                          _usage(final)))
 
 
@@ -328,6 +410,25 @@ async def _collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> R
         watcher.cancel()
     assert final is not None
     return final
+
+
+async def _replay(final: RequestOutput) -> AsyncIterator[RequestOutput]:
+    """A finished output as a stream of one: all of its text in one delta."""
+    yield dataclasses.replace(final, delta_text=final.text, delta_token_ids=list(final.token_ids))
+
+
+def _answer_problem(text: str, content: str | None, tool_calls: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None, tool_choice: Any) -> str | None:
+    """Why an answer to a request with tools is unusable (a reason for escalation), or None."""
+    if not tool_calls:
+        if "<tool_call>" in text:
+            return "malformed tool call"
+        if tool_choice == "required" or isinstance(tool_choice, dict):
+            return "no tool call"
+        return None
+    problem = validate_tool_calls(tool_calls, [{"type": "function", "function": t} if "function" not in t else t
+                                               for t in tools or ()])
+    return f"invalid tool call: {problem}" if problem else None
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:

