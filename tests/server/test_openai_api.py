@@ -263,3 +263,21 @@ def test_second_turn_while_one_runs_is_a_409(server: LiveServer) -> None:
     r = httpx.post(server.url + "/v1/chat/completions", json={**long, "max_tokens": 2}, headers=auth)
     first.join()
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
+
+
+def test_completions_return_token_ids(server: LiveServer) -> None:
+    auth = {"Authorization": "Bearer key-alice"}
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=auth).json()
+    choice = r["choices"][0]
+    assert choice["prompt_token_ids"] == [5, 6, 7, 8, 9] and len(choice["token_ids"]) == 6
+    assert r["usage"]["completion_tokens"] == 6
+    streamed: list[int] = []
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=auth) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                streamed += sum((c.get("token_ids") or [] for c in json.loads(line[6:])["choices"]), [])
+    assert streamed == choice["token_ids"]
+    plain = httpx.post(server.url + "/v1/completions", json={**body, "return_token_ids": False}, headers=auth).json()
+    assert "token_ids" not in plain["choices"][0]

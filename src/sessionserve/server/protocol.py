@@ -99,6 +99,9 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
+    # vLLM's extension: the prompt's and the output's token ids in the choice (an agent harness that
+    # resends the history as ids needs exactly what was generated).
+    return_token_ids: bool | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -140,16 +140,22 @@ def chat_chunk(id: str, created: int, model: str, delta: dict[str, Any] | None, 
 
 
 def completion(id: str, created: int, model: str, text: str, finish_reason: str, usage: dict[str, Any], *,
-               logprobs: Logprobs = None, system_fingerprint: str | None = None) -> dict[str, Any]:
-    """Body of a legacy completion (`object: "text_completion"`), one choice."""
-    choice = {"index": 0, "text": text, "logprobs": _completion_lp(logprobs), "finish_reason": finish_reason}
+               logprobs: Logprobs = None, system_fingerprint: str | None = None,
+               token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
+    """Body of a legacy completion (`object: "text_completion"`), one choice; ids only when given."""
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": _completion_lp(logprobs),
+                              "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = prompt_token_ids
     return {"id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [choice], "usage": usage, "system_fingerprint": system_fingerprint}
 
 
 def completion_chunk(id: str, created: int, model: str, text: str | None, finish_reason: str | None = None, *,
                      logprobs: Logprobs = None, usage: dict[str, Any] | None = None,
-                     system_fingerprint: str | None = None) -> dict[str, Any]:
+                     system_fingerprint: str | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
     """One streamed legacy completion chunk (OpenAI keeps `object: "text_completion"` for these).
 
     `text=None` and no finish_reason, with `usage`: the usage-only chunk, `choices: []`.
@@ -161,6 +167,8 @@ def completion_chunk(id: str, created: int, model: str, text: str | None, finish
     else:
         chunk["choices"] = [{"index": 0, "text": text or "", "logprobs": _completion_lp(logprobs),
                              "finish_reason": finish_reason}]
+        if token_ids is not None:
+            chunk["choices"][0]["token_ids"] = token_ids
     if usage is not None:
         chunk["usage"] = usage
     return chunk

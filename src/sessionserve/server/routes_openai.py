@@ -359,6 +359,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         if not prompt:
             raise P.OpenAIError(400, "The prompt is empty.", "invalid_request_error", param="prompt")
         params = make_params(req, len(prompt), None, eng)
+        ids = bool(req.return_token_ids)
         created, cid, t0 = int(time.time()), f"cmpl-{uuid.uuid4().hex}", time.monotonic()
         check_in_flight(request.state.tenant)
         outputs = run(request, prompt, params, SessionTarget(sid), "interactive", slot)
@@ -368,9 +369,10 @@ def register(app: FastAPI, state: ServerState) -> None:
             async def sse() -> AsyncIterator[str]:
                 try:
                     async for out in outputs:
-                        if out.delta_text or out.finished:
+                        if out.delta_text or out.finished or (ids and out.delta_token_ids):
                             yield _sse(P.completion_chunk(cid, created, model_name, out.delta_text,
-                                                          out.finish_reason if out.finished else None))
+                                                          out.finish_reason if out.finished else None,
+                                                          token_ids=list(out.delta_token_ids) if ids else None))
                         if out.finished:
                             if include_usage:
                                 yield _sse(P.completion_chunk(cid, created, model_name, None, None,
@@ -384,7 +386,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         final = await _collect(request, outputs)
         record(final, t0, request, sid, slot, "text")
         return JSONResponse(P.completion(cid, created, model_name, final.text, final.finish_reason,
-                                         _usage(final)))
+                                         _usage(final), token_ids=list(final.token_ids) if ids else None,
+                                         prompt_token_ids=list(final.prompt_token_ids) if ids else None))
 
 
 async def _collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
