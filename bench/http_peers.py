@@ -61,7 +61,7 @@ def server_command(name: str, a: argparse.Namespace) -> tuple[list[str], dict[st
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
     return ([str(a.vllm_python), "-m", "vllm.entrypoints.openai.api_server", *common,
              "--kv-cache-memory-bytes", str(a.kv_cache_bytes), "--max-model-len", str(a.max_model_len),
-             "--enable-prefix-caching", "--seed", "0", "--disable-log-stats"], env)
+             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0", "--disable-log-stats"], env)
 
 
 @contextlib.contextmanager
