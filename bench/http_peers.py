@@ -14,6 +14,8 @@ series runs with no host tier at all to show what the engine alone does.
 
     .venv/bin/python bench/http_peers.py                      # ours (predictive), ours device-only, vLLM
     .venv/bin/python bench/http_peers.py --servers ours,vllm --loads 16
+    # an unmodified client (no session ids) vs explicit ids vs a stateless server
+    .venv/bin/python bench/http_peers.py --servers ours,ours-no-ids,ours-discard --baseline ours-discard
 
 vLLM comes from its own venv (bench/peers/vllm_cpu.sh); without it only ours
 runs.
@@ -44,7 +46,16 @@ from sessionserve.workload.results import build_results  # noqa: E402
 from sessionserve.workload.sweep import run_http  # noqa: E402
 
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "sessionserve" / "peers" / "vllm-venv"
-SERVERS = ("ours", "ours-device-only", "vllm")
+# name -> (sessionserve flags, the client sends session ids). "vllm" is the peer.
+OURS: dict[str, tuple[list[str], bool]] = {
+    "ours": ([], True),
+    "ours-device-only": (["--host-kv-bytes", "0"], True),
+    # An unmodified client: no session ids; the server finds each conversation from its token ids.
+    "ours-no-ids": (["--implicit-sessions", "all"], False),
+    # A stateless server: a session's KV is dropped when its turn ends (the prefix cache may still hit).
+    "ours-discard": (["--residency-policy", "discard"], True),
+}
+SERVERS = (*OURS, "vllm")
 
 
 def server_command(name: str, a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -52,11 +63,11 @@ def server_command(name: str, a: argparse.Namespace) -> tuple[list[str], dict[st
     env = dict(os.environ)
     common = ["--model", str(a.model), "--port", str(a.port), "--max-num-seqs", str(a.max_num_seqs),
               "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--dtype", a.dtype]
-    if name in ("ours", "ours-device-only"):
-        host = a.host_kv_bytes if name == "ours" else 0
+    if name in OURS:
+        # Later flags win: a variant's flags override the shared ones.
         return ([sys.executable, "-m", "sessionserve.cli", "serve", *common, "--kv-cache-bytes",
-                 str(a.kv_cache_bytes), "--host-kv-bytes", str(host), "--residency-policy", a.policy,
-                 "--threads", str(a.threads)], env)
+                 str(a.kv_cache_bytes), "--host-kv-bytes", str(a.host_kv_bytes), "--residency-policy", a.policy,
+                 "--threads", str(a.threads), *OURS[name][0]], env)
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{a.threads - 1}"
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
     return ([str(a.vllm_python), "-m", "vllm.entrypoints.openai.api_server", *common,
@@ -99,7 +110,7 @@ def running(name: str, a: argparse.Namespace, log_dir: Path) -> Iterator[float]:
         log.close()
 
 
-def warm_up(a: argparse.Namespace, has_sessions: bool) -> None:
+def warm_up(a: argparse.Namespace) -> None:
     """A few requests of each shape class so no server pays one-time compilation inside the timed replay."""
     import httpx
 
@@ -115,7 +126,7 @@ def warm_up(a: argparse.Namespace, has_sessions: bool) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma list of {', '.join(SERVERS)}")
+    p.add_argument("--servers", default="ours,ours-device-only,vllm", help=f"comma list of {', '.join(SERVERS)}")
     p.add_argument("--trace", default="weka_claude_code")
     p.add_argument("--traces-dir", default=None)
     p.add_argument("--num-sessions", type=int, default=16)
@@ -142,6 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--vllm-python", type=Path,
                    default=Path(os.environ.get("VLLM_VENV", DEFAULT_VLLM_VENV)) / "bin" / "python")
+    p.add_argument("--baseline", default="vllm", help="the series ratios are to")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "http_peers"))
     a = p.parse_args(argv)
     a.backend = "http"
@@ -171,9 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     startup: dict[str, float] = {}
     for name in servers:
         with running(name, a, out) as startup[name]:
-            warm_up(a, name != "vllm")
-            runs.update(run_http(trace, name, loads, lambda name=name: HttpBackend(
-                f"http://127.0.0.1:{a.port}", None, name != "vllm", None, seed=a.seed), seed=a.seed))
+            warm_up(a)
+            ids = OURS[name][1] if name in OURS else False
+            runs.update(run_http(trace, name, loads, lambda ids=ids: HttpBackend(
+                f"http://127.0.0.1:{a.port}", None, ids, None, seed=a.seed), seed=a.seed))
         r = runs[name][-1]
         print(f"[{name}] done: {len(r.sessions)} sessions, makespan {r.makespan_s:.0f} s", file=sys.stderr, flush=True)
     settings = {k: getattr(a, k) for k in ("mode", "loads", "seed", "max_steps", "max_context", "max_wait_s",
@@ -185,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": _model_text(Path(a.model)),
             "machine": _machine(), "backend": "HTTP, one server process at a time", "settings": settings}
     results = build_results(trace, runs, meta=meta, slo_jct_s=a.slo_jct_s, slo_factor=a.slo_factor,
-                            baseline="vllm")
+                            baseline=a.baseline if a.baseline in runs else next(iter(runs)))
     report = write_report(out, results, runs)
     for name, s in results["policies"].items():
         print(f"  {name:18s} {s['sessions_per_hour_at_slo'] or 0:8.1f} sessions/h at SLO  "

@@ -93,7 +93,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         engines = {name: LLMEngine(config(args.spool_dir and str(Path(args.spool_dir) / name)),
                                    resolve_model_path(path)) for name, path in specs}
     app = create_app(engines, model_name=args.served_model_name, auth=Auth.from_options(args.api_key, args.keys_file),
-                     max_queued_requests=args.max_queued_requests, tracer=Tracer(args.trace))
+                     max_queued_requests=args.max_queued_requests, tracer=Tracer(args.trace),
+                     implicit_sessions=args.implicit_sessions)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
                 log_config=None)
 
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--disk-kv-bytes", type=int, default=0)
     serve.add_argument("--spool-dir", default=None)
     serve.add_argument("--max-queued-requests", type=int, default=1024)
+    serve.add_argument("--implicit-sessions", choices=("chat", "all", "off"), default="chat",
+                       help="requests without a session id continue the session of the conversation they extend: "
+                            "chat requests (default), completions too (all), or none")
     serve.add_argument("--replicas", type=int, default=1,
                        help="engine replicas on Ray Serve behind the session/KV-aware router (pip install .[ray])")
     serve.add_argument("--store", default=None,

@@ -189,3 +189,33 @@ def test_fork_via_sessions_api_shares_the_parents_blocks(server: LiveServer) -> 
     assert httpx.post(server.url + "/v1/sessions/parent-1/fork", json={}, headers=bob).status_code == 404
     for sid in ("parent-1", "child-1"):
         httpx.delete(server.url + f"/v1/sessions/{sid}", headers=auth)
+
+
+def test_completions_find_their_conversation_when_enabled(tiny_llama) -> None:  # noqa: ANN001
+    import httpx
+
+    from sessionserve import LLMEngine
+    from sessionserve.config import Config
+    from sessionserve.server.app import create_app
+    from sessionserve.server.auth import Auth
+    from tests.server.conftest import KEYS, run_app
+
+    engine = LLMEngine(Config.from_kwargs(num_blocks=128, block_size=16, max_num_seqs=4), tiny_llama)
+    app = create_app(engine, model_name="tiny", auth=Auth(KEYS), implicit_sessions="all")
+    auth = {"Authorization": "Bearer key-alice"}
+    with run_app(app) as url:
+        def complete(prompt: list[int]) -> dict:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+            return httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=60).json()
+
+        prompt = list(range(100, 160))
+        first = complete(prompt)
+        history = prompt + first["choices"][0]["token_ids"]
+        second = complete(history + list(range(300, 320)))
+        # The second call continued the first's session: only the new tokens were prefilled.
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) - 1
+        imp = app.state.ss.implicit
+        assert imp.num_hits == 1 and imp.num_opened == 1
+        other = complete(list(range(100, 140)) + list(range(900, 930)))  # shares a prefix only: its own session
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32 and imp.num_opened == 2

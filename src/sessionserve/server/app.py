@@ -68,6 +68,8 @@ class ServerState:
     models: dict[str, ModelSlot] = field(default_factory=dict)
     # How `model: "auto"` chooses between two of them (None: no `auto`).
     route: ModelRoutePolicy | None = None
+    # Whether /v1/completions without a session id also finds its conversation (chat always does when on).
+    implicit_completions: bool = False
 
     def slot(self, name: str) -> ModelSlot:
         return self.models[name]
@@ -80,12 +82,18 @@ class ServerState:
 def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | None = None, auth: Auth | None = None,
                max_queued_requests: int = 1024, max_request_bytes: int = 8 << 20,
                max_sessions_per_tenant: int = 1000, tracer: Tracer | None = None,
-               implicit_sessions: bool = True, max_implicit_sessions: int = 256,
+               implicit_sessions: bool | str = True, max_implicit_sessions: int = 256,
                max_requests_per_tenant: int = 256, route: ModelRoutePolicy | None = None) -> FastAPI:
     """The app over one engine, or over several (`{served name: engine}`, the first is the default).
 
     With several, `route` (default: `default_route`) serves `model: "auto"`.
+    `implicit_sessions`: True or "chat" (chat requests without a session id continue their conversation's
+    session), "all" (completions with token-id or text prompts too), False or "off".
     """
+    if implicit_sessions not in (True, False, "chat", "all", "off"):
+        raise ValueError(f"implicit_sessions must be chat, all or off, not {implicit_sessions!r}")
+    implicit_completions = implicit_sessions == "all"
+    implicit_sessions = implicit_sessions not in (False, "off")
     engines = dict(engine) if isinstance(engine, dict) else {model_name or engine.model_dir.name: engine}
     if not engines:
         raise ValueError("create_app needs at least one engine")
@@ -107,7 +115,7 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
     bridge = first.bridge
     state = ServerState(engine, bridge, auth or Auth(), metrics, tracer or Tracer(None), name, int(time.time()),
                         max_request_bytes, max_sessions_per_tenant, first.implicit, max_requests_per_tenant,
-                        models=slots, route=route)
+                        models=slots, route=route, implicit_completions=implicit_completions)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202

@@ -362,7 +362,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         ids = bool(req.return_token_ids)
         created, cid, t0 = int(time.time()), f"cmpl-{uuid.uuid4().hex}", time.monotonic()
         check_in_flight(request.state.tenant)
-        outputs = run(request, prompt, params, SessionTarget(sid), "interactive", slot)
+        target = SessionTarget(sid)
+        outputs = run(request, prompt, params, target, "interactive", slot, implicit=state.implicit_completions)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -377,14 +378,14 @@ def register(app: FastAPI, state: ServerState) -> None:
                             if include_usage:
                                 yield _sse(P.completion_chunk(cid, created, model_name, None, None,
                                                               usage=_usage(out)))
-                            record(out, t0, request, sid, slot, "text")
+                            record(out, t0, request, target.sid, slot, "text")
                 except P.OpenAIError as exc:
                     yield _sse(exc.body())
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         final = await _collect(request, outputs)
-        record(final, t0, request, sid, slot, "text")
+        record(final, t0, request, target.sid, slot, "text")
         return JSONResponse(P.completion(cid, created, model_name, final.text, final.finish_reason,
                                          _usage(final), token_ids=list(final.token_ids) if ids else None,
                                          prompt_token_ids=list(final.prompt_token_ids) if ids else None))
