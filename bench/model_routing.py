@@ -239,7 +239,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-scale", type=float, default=100.0, help="divide the trace's waits by this")
     p.add_argument("--max-human-wait-s", type=float, default=60.0, help="cap on a (real) human wait")
     p.add_argument("--system-tokens", type=int, default=200)
-    p.add_argument("--min-tool-tokens", type=int, default=40, help="max_tokens of a step that must call a tool")
+    p.add_argument("--min-tool-tokens", type=int, default=160, help="max_tokens of a step that must call a tool")
     p.add_argument("--tool-error-rate", type=float, default=0.1, help="share of tool results that are errors")
     p.add_argument("--agents", type=int, default=16, help="concurrent agents (closed loop)")
     p.add_argument("--repeats", type=int, default=2)
