@@ -65,18 +65,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args.model = _single_model(args)
         return serve_from_args(args)
     import logging
+    from pathlib import Path
 
     import uvicorn
-
-    from pathlib import Path
 
     from sessionserve.config import Config
     from sessionserve.llm import resolve_model_path
     from sessionserve.llm_engine import LLMEngine
+    from sessionserve.obs.cpu_roles import parse_cpus
+    from sessionserve.obs.tracing import Tracer, configure_logging
     from sessionserve.server.app import create_app
     from sessionserve.server.auth import Auth
-
-    from sessionserve.obs.tracing import Tracer, configure_logging
 
     configure_logging(logging.INFO)
     def config(spool_dir: str | None) -> Config:
@@ -94,7 +93,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                    resolve_model_path(path)) for name, path in specs}
     app = create_app(engines, model_name=args.served_model_name, auth=Auth.from_options(args.api_key, args.keys_file),
                      max_queued_requests=args.max_queued_requests, tracer=Tracer(args.trace),
-                     implicit_sessions=args.implicit_sessions)
+                     implicit_sessions=args.implicit_sessions, tokenize_threads=args.tokenize_threads,
+                     tokenize_cpus=parse_cpus(args.tokenize_cpus), engine_cpus=parse_cpus(args.engine_cpus))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
                 log_config=None)
 
@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--disk-kv-bytes", type=int, default=0)
     serve.add_argument("--spool-dir", default=None)
     serve.add_argument("--max-queued-requests", type=int, default=1024)
+    serve.add_argument("--tokenize-threads", type=int, default=2, help="threads that render and tokenize prompts")
+    serve.add_argument("--tokenize-cpus", default=None, help="cores for those threads, e.g. '1' or '2-3'")
+    serve.add_argument("--engine-cpus", default=None,
+                       help="cores for the engine loop and its compute threads, e.g. '0' (default: any)")
     serve.add_argument("--implicit-sessions", choices=("chat", "all", "off"), default="chat",
                        help="requests without a session id continue the session of the conversation they extend: "
                             "chat requests (default), completions too (all), or none")

@@ -227,6 +227,11 @@ def test_metrics_move_with_traffic(server: LiveServer) -> None:
     assert requests_total() == before + 1
     text = httpx.get(server.url + "/metrics").text
     assert "sessionserve_time_to_first_token_seconds_bucket" in text and "sessionserve_kv_blocks" in text
+    # CPU roles: the chat was rendered on the tokenize pool and stepped by the engine thread.
+    seconds = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sessionserve_cpu_role_seconds{")}
+    assert seconds['kind="busy",role="engine"'] > 0 and seconds['kind="busy",role="tokenize"'] > 0
+    assert 'sessionserve_cpu_role_busy_fraction{role="tokenize"}' in text
 
 
 def test_trace_of_one_session_step() -> None:

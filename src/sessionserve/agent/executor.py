@@ -40,6 +40,7 @@ from sessionserve.agent.latency import LatencyEstimator
 from sessionserve.agent.retry import Backoff, RetryBudget
 from sessionserve.agent.timing import ToolCallRecord
 from sessionserve.agent.tools import Tool, ToolError, ToolRegistry
+from sessionserve.obs.cpu_roles import TOOLS, RolePool
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,13 @@ class ToolExecutor:
     def __init__(self, registry: ToolRegistry, *, budget: RetryBudget, backoff: Backoff | None = None,
                  breaker: BreakerConfig | None = None, estimator: LatencyEstimator | None = None,
                  max_workers: int = 64, num_warm_threads: int = 16, max_concurrent_calls: int | None = None,
-                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        """`max_concurrent_calls`: calls of all tools in flight at once (None: no limit; 1: one after another)."""
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
+                 cpus: frozenset[int] | None = None) -> None:
+        """`max_concurrent_calls`: calls of all tools in flight at once (None: no limit; 1: one after another).
+
+        `cpus`: cores the tool threads (and the processes tools start) are pinned to, so tool work does
+        not take the engine's cores; `meter` reports the pool's busy time (the `tools` CPU role).
+        """
         self.registry = registry
         self.budget = budget
         self.backoff = backoff or Backoff()
@@ -89,7 +95,8 @@ class ToolExecutor:
         self.rng = rng or random.Random()
         self.clock = clock
         self.max_concurrent_calls = max_concurrent_calls
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="agent-tool")
+        self._pool = RolePool(TOOLS, max_workers, cpus)
+        self.meter = self._pool.meter
         self._warm(min(num_warm_threads, max_workers))
         self._breakers: dict[str, CircuitBreaker] = {}
         self._semaphores: dict[str, asyncio.Semaphore] = {}
@@ -110,7 +117,7 @@ class ToolExecutor:
             return
         barrier = threading.Barrier(num_threads)
         for _ in range(num_threads):
-            self._pool.submit(_wait_at, barrier)
+            ThreadPoolExecutor.submit(self._pool, _wait_at, barrier)  # not tool work: unmetered
 
     def breaker(self, name: str) -> CircuitBreaker:
         if name not in self._breakers:

@@ -51,6 +51,11 @@ class Metrics:
         self.step_seconds = Histogram("sessionserve_engine_step_seconds", "Engine step time", labels,
                                       buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
                                       registry=r)
+        self.role_busy = Gauge("sessionserve_cpu_role_busy_fraction", "Share of a CPU role's thread time spent "
+                               "working over the last 10 s (tokenize, engine, tools)", ["role"], registry=r)
+        self.role_seconds = Gauge("sessionserve_cpu_role_seconds", "Seconds a CPU role's threads spent working "
+                                  "(wall) and their CPU time, since start", ["role", "kind"], registry=r)
+        self.role_threads = Gauge("sessionserve_cpu_role_threads", "Threads of a CPU role", ["role"], registry=r)
         self.route_steps = Counter("sessionserve_route_steps", "Chat steps of model 'auto' by the model that ran "
                                    "them and why", ["routed_to", "reason"], registry=r)
         self.route_escalations = Counter("sessionserve_route_escalations",
@@ -100,6 +105,13 @@ class Metrics:
         for what in ("requests", "hits", "forks", "opened", "evicted"):
             self.implicit.labels(m, what).set(getattr(implicit, f"num_{what}"))
         self.implicit.labels(m, "open").set(implicit.num_open)
+
+    def sample_roles(self, roles) -> None:  # noqa: ANN001 - obs.cpu_roles.CpuRoles
+        for role, snap in roles.snapshot().items():
+            self.role_busy.labels(role).set(snap["busy_fraction"])
+            self.role_seconds.labels(role, "busy").set(snap["busy_s"])
+            self.role_seconds.labels(role, "cpu").set(snap["cpu_s"])
+            self.role_threads.labels(role).set(snap["threads"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,9 +25,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sessionserve.core.session_manager import SessionBusyError
 from sessionserve.llm_engine import LLMEngine
-from sessionserve.router.model_route import ModelRoutePolicy
+from sessionserve.obs.cpu_roles import ENGINE, TOKENIZE, CpuRoles, RoleMeter, RolePool
 from sessionserve.obs.metrics import Metrics
 from sessionserve.obs.tracing import Tracer, request_id_var
+from sessionserve.router.model_route import ModelRoutePolicy
 from sessionserve.server.auth import Auth
 from sessionserve.server.bridge import AsyncEngine, EngineDead, EngineOverloaded
 from sessionserve.server.implicit import ImplicitSessions
@@ -70,6 +72,9 @@ class ServerState:
     route: ModelRoutePolicy | None = None
     # Whether /v1/completions without a session id also finds its conversation (chat always does when on).
     implicit_completions: bool = False
+    # CPU roles: prompt rendering/tokenization on its own pool; each engine thread metered (and maybe pinned).
+    roles: CpuRoles = field(default_factory=CpuRoles)
+    tokenize_pool: RolePool | None = None
 
     def slot(self, name: str) -> ModelSlot:
         return self.models[name]
@@ -83,12 +88,16 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
                max_queued_requests: int = 1024, max_request_bytes: int = 8 << 20,
                max_sessions_per_tenant: int = 1000, tracer: Tracer | None = None,
                implicit_sessions: bool | str = True, max_implicit_sessions: int = 256,
-               max_requests_per_tenant: int = 256, route: ModelRoutePolicy | None = None) -> FastAPI:
+               max_requests_per_tenant: int = 256, route: ModelRoutePolicy | None = None,
+               tokenize_threads: int = 2, tokenize_cpus: frozenset[int] | None = None,
+               engine_cpus: frozenset[int] | None = None) -> FastAPI:
     """The app over one engine, or over several (`{served name: engine}`, the first is the default).
 
     With several, `route` (default: `default_route`) serves `model: "auto"`.
     `implicit_sessions`: True or "chat" (chat requests without a session id continue their conversation's
     session), "all" (completions with token-id or text prompts too), False or "off".
+    CPU roles: chat rendering and tokenization run on `tokenize_threads` threads (pinned to `tokenize_cpus`),
+    each engine's loop on its own thread (pinned to `engine_cpus`); /metrics reports each role's busy time.
     """
     if implicit_sessions not in (True, False, "chat", "all", "off"):
         raise ValueError(f"implicit_sessions must be chat, all or off, not {implicit_sessions!r}")
@@ -101,11 +110,22 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
         raise ValueError(f"'{AUTO_MODEL}' and 'default' are reserved model names")
     name = next(iter(engines))
     metrics = Metrics(name)
+    roles = CpuRoles()
+
+    def on_step(n: str, meter: RoleMeter) -> Callable[[LLMEngine, float], None]:
+        def sample(eng: LLMEngine, dt: float) -> None:
+            meter.record(dt)
+            metrics.sample_engine(eng, dt, n)
+        return sample
+
     slots = {
-        n: ModelSlot(n, e, AsyncEngine(e, max_queued_requests=max_queued_requests,
-                                       on_step=lambda eng, dt, n=n: metrics.sample_engine(eng, dt, n)),
+        n: ModelSlot(n, e, AsyncEngine(e, max_queued_requests=max_queued_requests, cpus=engine_cpus,
+                                       on_step=on_step(n, roles.add(RoleMeter(
+                                           ENGINE if len(engines) == 1 else f"{ENGINE}:{n}", 1)))),
                      ImplicitSessions(e.runner.block_size, max_implicit_sessions) if implicit_sessions else None)
         for n, e in engines.items()}
+    tokenize_pool = RolePool(TOKENIZE, tokenize_threads, tokenize_cpus)
+    roles.add(tokenize_pool.meter)
     if route is None and len(slots) > 1:
         route = default_route(engines)
     if route is not None and not {route.large, route.small} <= set(slots):
@@ -115,7 +135,8 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
     bridge = first.bridge
     state = ServerState(engine, bridge, auth or Auth(), metrics, tracer or Tracer(None), name, int(time.time()),
                         max_request_bytes, max_sessions_per_tenant, first.implicit, max_requests_per_tenant,
-                        models=slots, route=route, implicit_completions=implicit_completions)
+                        models=slots, route=route, implicit_completions=implicit_completions, roles=roles,
+                        tokenize_pool=tokenize_pool)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -124,6 +145,7 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
         yield
         for slot in slots.values():
             await slot.bridge.shutdown()
+        tokenize_pool.shutdown(wait=False)
         state.tracer.shutdown()
 
     app = FastAPI(title="sessionserve", version="0.1.0", lifespan=lifespan)
@@ -176,6 +198,7 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
+        metrics.sample_roles(roles)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

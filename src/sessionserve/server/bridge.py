@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.llm_engine import LLMEngine, RequestOutput
+from sessionserve.obs.cpu_roles import pin_current_thread
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,8 +52,11 @@ class AsyncEngine:
     """Runs `LLMEngine.step()` in a dedicated thread; thread-safe, awaitable API."""
 
     def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024, idle_tick_s: float = 0.02,
-                 on_step: Callable[[LLMEngine, float], None] | None = None) -> None:
+                 on_step: Callable[[LLMEngine, float], None] | None = None,
+                 cpus: frozenset[int] | None = None) -> None:
+        """`cpus`: cores the engine thread (and the compute threads it starts) is pinned to; None: any."""
         self.engine = engine
+        self.cpus = cpus
         self.max_queued_requests = max_queued_requests
         self._num_adding = 0  # requests whose `add` is queued for the engine thread (event-loop side)
         self.idle_tick_s = idle_tick_s
@@ -180,6 +184,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         eng = self.engine
+        pin_current_thread(self.cpus)
         while not self._stop.is_set():
             busy = eng.has_unfinished()
             try:

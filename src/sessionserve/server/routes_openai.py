@@ -78,7 +78,7 @@ def session_key(tenant: str, session_id: str) -> str:
 
 
 def register(app: FastAPI, state: ServerState) -> None:
-    tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+    tokenize_pool = state.tokenize_pool or ThreadPoolExecutor(2, thread_name_prefix="tokenize")
     # Per routed session (tenant/id): steps since its last escalation.
     steps_since_escalation: OrderedDict[str, int] = OrderedDict()
 
