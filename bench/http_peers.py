@@ -123,6 +123,16 @@ def warm_up(a: argparse.Namespace) -> None:
             r.raise_for_status()
 
 
+def server_recompute_tokens(a: argparse.Namespace) -> float | None:
+    """Our server's count of recomputed session tokens (all sessions, open or closed), from /metrics."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{a.port}/metrics", timeout=30).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("sessionserve_session_recompute_tokens{")]
+    return sum(values) if values else None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -181,18 +191,24 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Any] = {}
     startup: dict[str, float] = {}
+    recompute: dict[str, float] = {}
     for name in servers:
         with running(name, a, out) as startup[name]:
             warm_up(a)
             ids = OURS[name][1] if name in OURS else False
+            before = server_recompute_tokens(a) if name in OURS else None
             runs.update(run_http(trace, name, loads, lambda ids=ids: HttpBackend(
                 f"http://127.0.0.1:{a.port}", None, ids, None, seed=a.seed), seed=a.seed))
+            if before is not None:
+                # Counted by the server, so it covers sessions the client cannot name (no ids).
+                recompute[name] = server_recompute_tokens(a) - before
         r = runs[name][-1]
         print(f"[{name}] done: {len(r.sessions)} sessions, makespan {r.makespan_s:.0f} s", file=sys.stderr, flush=True)
     settings = {k: getattr(a, k) for k in ("mode", "loads", "seed", "max_steps", "max_context", "max_wait_s",
                                            "kv_cache_bytes", "host_kv_bytes", "policy", "max_num_seqs",
                                            "max_num_batched_tokens", "dtype", "threads")}
     settings["server_startup_s"] = {k: round(v, 1) for k, v in startup.items()}
+    settings["server_recompute_tokens"] = recompute
     settings["server_commands"] = {name: shlex.join(server_command(name, a)[0]) for name in servers}
     meta = {"command": shlex.join(["bench/http_peers.py", *(argv if argv is not None else sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": _model_text(Path(a.model)),
@@ -203,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, s in results["policies"].items():
         print(f"  {name:18s} {s['sessions_per_hour_at_slo'] or 0:8.1f} sessions/h at SLO  "
               f"{s['sessions_per_hour'] or 0:8.1f} sessions/h  JCT p50 {s['jct_p50_s'] or 0:6.2f} s "
-              f"p99 {s['jct_p99_s'] or 0:6.2f} s  TTFT p99 {s['ttft_p99_s'] or 0:.3f} s")
+              f"p99 {s['jct_p99_s'] or 0:6.2f} s  TTFT p99 {s['ttft_p99_s'] or 0:.3f} s"
+              + (f"  server recompute {recompute[name]:,.0f} tok" if name in recompute else ""))
     print(f"report: {report}")
 
 

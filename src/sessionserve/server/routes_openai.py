@@ -294,6 +294,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                 escalated_from, why = slot, f"escalated: {problem}"
                 record(final, t0, request, target.sid, slot)
                 slot = state.models[state.route.large]  # type: ignore[union-attr]
+                target.sid = sid  # without an id, the large model finds the conversation in its own index
                 outputs = await start(slot)
         if chosen is None:
             state.metrics.route_steps.labels(slot.name, why or "").inc()
