@@ -154,3 +154,15 @@ def test_answer_problem_reasons() -> None:
         == "malformed tool call"
     assert routes_openai._answer_problem("hello", "hello", [], tools, "required") == "no tool call"
     assert routes_openai._answer_problem("hello", "hello", [], tools, "auto") is None
+
+
+def test_create_app_checks_names_and_route() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        create_app({})
+    with pytest.raises(ValueError, match="reserved"):
+        create_app({"auto": object()})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="not all served"):
+        create_app({"a": object(), "b": object()},  # type: ignore[dict-item]
+                   route=ModelRoutePolicy(large="a", small="c"))
+    with pytest.raises(ValueError, match="implicit_sessions"):
+        create_app({"a": object()}, implicit_sessions="sometimes")  # type: ignore[dict-item]

@@ -76,9 +76,6 @@ class ServerState:
     roles: CpuRoles = field(default_factory=CpuRoles)
     tokenize_pool: RolePool | None = None
 
-    def slot(self, name: str) -> ModelSlot:
-        return self.models[name]
-
     @property
     def default(self) -> ModelSlot:
         return next(iter(self.models.values()))
@@ -108,6 +105,10 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
         raise ValueError("create_app needs at least one engine")
     if AUTO_MODEL in engines or "default" in engines:
         raise ValueError(f"'{AUTO_MODEL}' and 'default' are reserved model names")
+    if route is None and len(engines) > 1:
+        route = default_route(engines)
+    if route is not None and not {route.large, route.small} <= set(engines):
+        raise ValueError(f"route models {route.large!r}/{route.small!r} are not all served")
     name = next(iter(engines))
     metrics = Metrics(name)
     roles = CpuRoles()
@@ -126,10 +127,6 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
         for n, e in engines.items()}
     tokenize_pool = RolePool(TOKENIZE, tokenize_threads, tokenize_cpus)
     roles.add(tokenize_pool.meter)
-    if route is None and len(slots) > 1:
-        route = default_route(engines)
-    if route is not None and not {route.large, route.small} <= set(slots):
-        raise ValueError(f"route models {route.large!r}/{route.small!r} are not all served")
     first = slots[name]
     engine = first.engine
     bridge = first.bridge
