@@ -115,6 +115,14 @@ def test_a_session_moves_between_models_without_losing_context(
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 16
     info = httpx.get(url + "/v1/sessions/mover", headers=AUTH).json()
     assert info["model"] == "large" and sorted(info["models"]) == ["large", "small"]
+    # A fork copies the session in every engine that holds it.
+    fork = httpx.post(url + "/v1/sessions/mover/fork", json={"session_id": "mover-child"}, headers=AUTH)
+    assert fork.status_code == 200 and fork.json()["forked_from"] == "mover"
+    child = httpx.get(url + "/v1/sessions/mover-child", headers=AUTH).json()
+    assert sorted(child["models"]) == ["large", "small"]
+    again = httpx.post(url + "/v1/sessions/mover/fork", json={"session_id": "mover-child"}, headers=AUTH)
+    assert again.status_code == 409
+    assert httpx.delete(url + "/v1/sessions/mover-child", headers=AUTH).status_code == 200
     assert httpx.delete(url + "/v1/sessions/mover", headers=AUTH).status_code == 200
     assert httpx.get(url + "/v1/sessions/mover", headers=AUTH).status_code == 404
     for eng in engines.values():

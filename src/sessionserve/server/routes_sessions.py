@@ -103,6 +103,9 @@ def register(app: FastAPI, state: ServerState) -> None:
         found = await holders(key, sid)
         if not found:
             raise not_found(sid)
+        if await holders(child_key, child):  # checked in every engine first: no half-made fork
+            raise P.OpenAIError(409, f"Session '{child}' already exists.", "invalid_request_error",
+                                param="session_id", code="session_exists")
         results = [await slot.bridge.call(do) for slot, _, _ in found]
         return results[0]
 
