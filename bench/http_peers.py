@@ -27,8 +27,6 @@ import argparse
 import contextlib
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -43,6 +41,7 @@ from sessionserve.workload.http_backend import HttpBackend  # noqa: E402
 from sessionserve.workload.loader import load_trace  # noqa: E402
 from sessionserve.workload.report import write_report  # noqa: E402
 from sessionserve.workload.results import build_results  # noqa: E402
+from sessionserve.workload.server_process import server_process  # noqa: E402
 from sessionserve.workload.sweep import run_http  # noqa: E402
 
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "sessionserve" / "peers" / "vllm-venv"
@@ -77,37 +76,11 @@ def server_command(name: str, a: argparse.Namespace) -> tuple[list[str], dict[st
 
 @contextlib.contextmanager
 def running(name: str, a: argparse.Namespace, log_dir: Path) -> Iterator[float]:
-    """Start server `name`, wait for /health, yield its start-up seconds; stop it (SIGINT, then kill)."""
-    import httpx
-
+    """Start server `name`, wait for /health, yield its start-up seconds; stop it afterwards."""
     cmd, env = server_command(name, a)
-    log = (log_dir / f"{name}.log").open("w")
-    print(f"[{name}] {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{a.port}/health"
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"{name} exited with {proc.returncode}; see {log.name}")
-            if time.monotonic() - t0 > a.start_timeout:
-                raise SystemExit(f"{name} not healthy after {a.start_timeout:.0f} s; see {log.name}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
-        startup = time.monotonic() - t0
-        print(f"[{name}] healthy after {startup:.0f} s", file=sys.stderr, flush=True)
-        yield startup
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    with server_process(cmd, a.port, log_dir / f"{name}.log", env=env, start_timeout_s=a.start_timeout,
+                        name=name) as startup_s:
+        yield startup_s
 
 
 def warm_up(a: argparse.Namespace) -> None:

@@ -34,11 +34,10 @@ import json
 import os
 import random
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from sessionserve.cli_bench import _machine  # noqa: E402
 from sessionserve.workload.loader import load_trace  # noqa: E402
+from sessionserve.workload.server_process import server_process  # noqa: E402
 from sessionserve.workload.trace import AgentSession  # noqa: E402
 
 MODELS = Path.home() / ".cache" / "sessionserve" / "models"
@@ -191,35 +191,13 @@ async def run_mode(url: str, sessions: list[AgentSession], mode: str, cutter: Te
 
 
 @contextlib.contextmanager
-def server(a: argparse.Namespace, log_path: Path):  # noqa: ANN201
-    import httpx
-
+def server(a: argparse.Namespace, log_path: Path) -> Iterator[tuple[str, list[str]]]:
+    """Our server with both models on `a.port`: yields its URL and command line."""
     cmd = [sys.executable, "-m", "sessionserve.cli", "serve", "--port", str(a.port),
            "--model", f"{a.large_name}={a.large}", "--model", f"{a.small_name}={a.small}",
            "--threads", str(a.threads), "--kv-cache-bytes", str(a.kv_cache_bytes), "--max-num-seqs", "64"]
-    print(f"[server] {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    log = log_path.open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        t0 = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"server exited; see {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{a.port}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() - t0 > 300:
-                raise SystemExit("server did not start")
-            time.sleep(0.5)
+    with server_process(cmd, a.port, log_path, start_timeout_s=300):
         yield f"http://127.0.0.1:{a.port}", cmd
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

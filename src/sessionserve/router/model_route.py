@@ -101,10 +101,13 @@ def validate_tool_calls(calls: Sequence[dict[str, Any]], tools: Sequence[dict[st
     """Why an answer's tool calls are unusable, or None if they are fine.
 
     `calls`: OpenAI tool calls ({"function": {"name", "arguments"}}); `tools`:
-    the request's tool definitions. Checks: the tool was offered, the
-    arguments are a JSON object, and the schema's required fields are there.
+    the request's tool definitions, OpenAI's ({"type": "function", "function":
+    {...}}) or bare functions ({"name", "parameters"}). Checks: the tool was
+    offered, the arguments are a JSON object, and the schema's required fields
+    are there.
     """
-    offered = {t.get("function", {}).get("name"): t.get("function", {}) for t in tools or ()}
+    functions = [t.get("function", t) for t in tools or ()]
+    offered = {f.get("name"): f for f in functions}
     for call in calls:
         fn = call.get("function", {})
         name = fn.get("name")

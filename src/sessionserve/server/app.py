@@ -74,7 +74,7 @@ class ServerState:
     implicit_completions: bool = False
     # CPU roles: prompt rendering/tokenization on its own pool; each engine thread metered (and maybe pinned).
     roles: CpuRoles = field(default_factory=CpuRoles)
-    tokenize_pool: RolePool | None = None
+    tokenize_pool: RolePool = field(default_factory=lambda: RolePool(TOKENIZE, 2))
 
     @property
     def default(self) -> ModelSlot:

@@ -26,7 +26,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +77,7 @@ def session_key(tenant: str, session_id: str) -> str:
 
 
 def register(app: FastAPI, state: ServerState) -> None:
-    tokenize_pool = state.tokenize_pool or ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+    tokenize_pool = state.tokenize_pool
     # Per routed session (tenant/id): steps since its last escalation.
     steps_since_escalation: OrderedDict[str, int] = OrderedDict()
 
@@ -431,8 +430,7 @@ def _answer_problem(text: str, content: str | None, tool_calls: list[dict[str, A
         if tool_choice == "required" or isinstance(tool_choice, dict):
             return "no tool call"
         return None
-    problem = validate_tool_calls(tool_calls, [{"type": "function", "function": t} if "function" not in t else t
-                                               for t in tools or ()])
+    problem = validate_tool_calls(tool_calls, tools)
     return f"invalid tool call: {problem}" if problem else None
 
 
