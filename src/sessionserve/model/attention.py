@@ -6,10 +6,15 @@ kernel (it streams keys block by block) and gathering a sequence's context
 into (H, T, D) for SDPA.
 
 A step's tokens are flattened: sequence i owns rows [cu_q[i], cu_q[i+1]).
-Three paths, chosen per sequence:
-  - fresh prefill (no cached context): SDPA, causal, on the chunk's own K/V;
-    equal-length chunks are stacked into one batched call;
-  - decode and context prefill (chunks after a prefix-cache hit or an earlier
+Paths, chosen per sequence:
+  - bfloat16 on a CPU with AVX512-BF16 (`tile_attention.py`): every fresh
+    prefill, and every context prefill of at least TILE_MIN_ROWS tokens, in
+    one call of the query-tile kernel, which reads keys from the chunk's own
+    rows or through the block table;
+  - otherwise, fresh prefill (no cached context): SDPA, causal, on the
+    chunk's own K/V; equal-length chunks are stacked into one batched call;
+  - decode and short context chunks (speculative verification) and, without
+    tiles, context prefill (chunks after a prefix-cache hit or an earlier
     chunk): the paged kernel (C++ on CPU) or, where it is unavailable, a
     gather of the context followed by SDPA with an offset causal mask.
 """
@@ -21,7 +26,46 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sessionserve.model import paged_kernel
+from sessionserve.model import paged_kernel, tile_attention
+
+# Context chunks shorter than this stay on the paged kernel: the tile kernel repacks the whole
+# context per KV head, which only pays off over enough query rows.
+TILE_MIN_ROWS = 16
+
+
+@dataclass(slots=True)
+class TileBatch:
+    """Sequences for the tile kernel: query rows, first positions and (paged) block tables."""
+
+    q_start: torch.Tensor  # (S,) int32: first row of each sequence in the flat batch
+    q_len: torch.Tensor  # (S,) int32
+    pos0: torch.Tensor  # (S,) int32: position of each sequence's first query
+    block_tables: torch.Tensor | None  # (S, max_blocks) int32; None: keys are the batch's own rows
+
+
+class TileBatchBuilder:
+    """Collects a step's sequences for one tile call."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, int]] = []
+        self.tables: list[list[int]] = []
+
+    def add(self, row0: int, num_rows: int, pos0: int, table: list[int] | None = None) -> None:
+        self.rows.append((row0, num_rows, pos0))
+        if table is not None:
+            self.tables.append(table)
+
+    def build(self, device: torch.device) -> TileBatch | None:
+        if not self.rows:
+            return None
+        cols = torch.tensor(self.rows, dtype=torch.int32, device=device).t().contiguous()
+        return TileBatch(cols[0], cols[1], cols[2], pad_tables(self.tables, device) if self.tables else None)
+
+
+def pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables as one (S, max_blocks) int32 tensor, zero-padded."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
 
 
 @dataclass(slots=True)
@@ -40,6 +84,8 @@ class AttentionMetadata:
     paged_ctx_lens: list[int]  # per paged sequence: context length after this step
     paged_q_spans: list[tuple[int, int]]  # per paged sequence: (first row in paged_rows, num rows)
     use_kernel: bool
+    tile_fresh: TileBatch | None = None  # fresh prefills for the tile kernel
+    tile_ctx: TileBatch | None = None  # context prefills for the tile kernel
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -55,6 +101,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     gqa = num_heads != num_kv_heads
+    if meta.tile_fresh is not None:
+        t = meta.tile_fresh
+        tile_attention.tile_attention_(out, q, k, v, t.q_start, t.q_len, t.pos0, None, scale)
+    if meta.tile_ctx is not None:
+        t = meta.tile_ctx
+        tile_attention.tile_attention_(out, q, k_cache, v_cache, t.q_start, t.q_len, t.pos0, t.block_tables, scale)
     for starts, length in meta.fresh_groups:
         if len(starts) == 1:
             s = starts[0]

@@ -240,8 +240,9 @@ _state: dict[str, bool] = {}
 
 def _sources() -> list[str]:
     from sessionserve.model.fused_ops import SOURCE as fused_source
+    from sessionserve.model.tile_attention import SOURCE as tile_source
 
-    return [_SOURCE, fused_source]
+    return [_SOURCE, fused_source, tile_source]
 
 
 # Compiler flags, best first. OpenMP is what makes `at::parallel_for` in the
@@ -283,7 +284,7 @@ def _load() -> bool:
                 verbose=False,
             )
             ops = torch.ops.sessionserve_kernels
-            if all(hasattr(ops, name) for name in ("paged_attention", "rms_norm", "rope_")):
+            if all(hasattr(ops, name) for name in ("paged_attention", "rms_norm", "rope_", "tile_attention_")):
                 return True
         except Exception as exc:  # noqa: BLE001 - any build failure means: next flags, then the fallback
             errors.append(f"{' '.join(cflags)}: {exc}")

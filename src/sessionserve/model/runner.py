@@ -12,8 +12,8 @@ from sessionserve.config import CacheConfig, ModelConfig
 from sessionserve.core.executor import ExecutorOutput
 from sessionserve.core.scheduler import SchedulerOutput
 from sessionserve.core.sequence import Sequence
-from sessionserve.model import paged_kernel
-from sessionserve.model.attention import AttentionMetadata
+from sessionserve.model import paged_kernel, tile_attention
+from sessionserve.model.attention import TILE_MIN_ROWS, AttentionMetadata, TileBatchBuilder, pad_tables
 from sessionserve.model.decoder import DecoderModel
 from sessionserve.model.hf_config import ModelArch, load_arch
 from sessionserve.model.loader import load_weights
@@ -87,16 +87,19 @@ class ModelRunner:
                           for _ in range(self.arch.num_layers)]
         self.use_kernel = (self.device.type == "cpu" and paged_kernel.available()
                            and paged_kernel.supports(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim))
+        self.use_tiles = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and tile_attention.available()
+                          and tile_attention.supports_shape(self.arch.head_dim))
         self._generators: dict[str, tuple[Sequence, torch.Generator]] = {}
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(model_config.seed)
         # Structured outputs: compiler built on first guided request; matcher state per request id.
         self._grammar_compiler: GrammarCompiler | None = None
         self._constraints: dict[str, tuple[Sequence, Constraint]] = {}
-        logger.info("loaded %s (%.1fM params) on %s/%s, %d KV blocks of %d tokens, paged kernel %s, packed weights %s",
+        logger.info("loaded %s (%.1fM params) on %s/%s, %d KV blocks of %d tokens, paged kernel %s, "
+                    "prefill tiles %s, packed weights %s",
                     self.arch.architecture, self.arch.num_params() / 1e6, self.device, self.dtype,
                     self.num_blocks, self.block_size, "on" if self.use_kernel else "off",
-                    "on" if self.packed else "off")
+                    "on" if self.use_tiles else "off", "on" if self.packed else "off")
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
@@ -184,6 +187,8 @@ class ModelRunner:
         slot_block: list[int] = []
         slot_offset: list[int] = []
         fresh: dict[int, list[int]] = {}
+        tile_fresh = TileBatchBuilder()
+        tile_ctx = TileBatchBuilder()
         paged_rows: list[int] = []
         paged_seq: list[int] = []
         paged_pos: list[int] = []
@@ -207,8 +212,12 @@ class ModelRunner:
             positions.extend(pos)
             slot_block.extend(table[p // bs] for p in pos)
             slot_offset.extend(p % bs for p in pos)
-            if start == 0:
+            if self.use_tiles and start == 0:
+                tile_fresh.add(row0, n, 0)
+            elif start == 0:
                 fresh.setdefault(n, []).append(row0)
+            elif self.use_tiles and n >= TILE_MIN_ROWS:
+                tile_ctx.add(row0, n, start, table[: -(-end // bs)])
             else:
                 paged_spans.append((len(paged_rows), n))
                 paged_rows.extend(range(row0, row0 + n))
@@ -230,10 +239,12 @@ class ModelRunner:
             paged_rows=torch.tensor(paged_rows, dtype=torch.long, device=dev) if paged_rows else None,
             paged_seq_idx=torch.tensor(paged_seq, dtype=torch.int32, device=dev) if paged_rows else None,
             paged_pos=torch.tensor(paged_pos, dtype=torch.int32, device=dev) if paged_rows else None,
-            paged_block_tables=_pad_tables(paged_tables, dev) if paged_rows else None,
+            paged_block_tables=pad_tables(paged_tables, dev) if paged_rows else None,
             paged_ctx_lens=paged_ctx,
             paged_q_spans=paged_spans,
             use_kernel=self.use_kernel,
+            tile_fresh=tile_fresh.build(dev),
+            tile_ctx=tile_ctx.build(dev),
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
@@ -289,7 +300,3 @@ class ModelRunner:
             constraint.sync(seq.output_token_ids)  # tokens that reached the output without `accept`
         return constraint
 
-
-def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)

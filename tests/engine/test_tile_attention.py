@@ -1,0 +1,134 @@
+"""The bf16 query-tile prefill kernel against float32 attention, and the engine with and without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sessionserve.cache.kv_manager import KVCacheManager
+from sessionserve.config import CacheConfig, ModelConfig
+from sessionserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from sessionserve.model import tile_attention
+from tests.unit.core.utils import create_seq
+
+pytestmark = pytest.mark.skipif(not tile_attention.available(), reason="no AVX512-BF16 tile kernel in this build")
+
+# bf16 inputs and output: the output alone rounds at 2^-9 relative; P is rounded to bf16 before P V.
+ATOL = 2e-2
+
+
+def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
+    """float32 attention of q (n, H, D) at positions pos0.. over keys k, v (ctx, Hkv, D)."""
+    n, ctx = q.shape[0], k.shape[0]
+    mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(pos0, pos0 + n).unsqueeze(1)
+    o = F.scaled_dot_product_attention(q.float().transpose(0, 1), k.float().transpose(0, 1),
+                                       v.float().transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def _ints(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 4, 64), (8, 8, 128), (16, 2, 32), (4, 1, 256)])
+def test_fresh_prefill_on_strided_rows_matches_float32(heads: int, kv_heads: int, head_dim: int) -> None:
+    g = torch.Generator().manual_seed(heads * head_dim)
+    lens = [1, 63, 64, 65, 200]
+    pad = 3  # rows before the first sequence: must stay untouched
+    total = pad + sum(lens)
+    qkv = torch.randn(total, (heads + 2 * kv_heads) * head_dim, generator=g).to(torch.bfloat16)
+    q = qkv[:, :heads * head_dim].view(total, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(total, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(total, kv_heads, head_dim)
+    starts = [pad + sum(lens[:i]) for i in range(len(lens))]
+    out = torch.zeros(total, heads, head_dim, dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    tile_attention.tile_attention_(out, q, k, v, _ints(starts), _ints(lens), _ints([0] * len(lens)), None, scale)
+    assert torch.count_nonzero(out[:pad]) == 0
+    for s, n in zip(starts, lens):
+        expected = _causal_reference(q[s:s + n], k[s:s + n], v[s:s + n], 0, scale)
+        torch.testing.assert_close(out[s:s + n].float(), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_context_prefill_through_block_tables_matches_float32(block_size: int) -> None:
+    g = torch.Generator().manual_seed(block_size)
+    heads, kv_heads, head_dim = 12, 4, 64
+    chunks = [(20, 300), (64, 0), (17, 1000), (40, 15)]  # (query rows, cached tokens before them)
+    num_blocks = sum(-(-(n + p) // block_size) for n, p in chunks) + 4
+    k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(torch.bfloat16)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n, p in chunks:
+        count = -(-(n + p) // block_size)
+        tables.append(free[:count])
+        free = free[count:]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens = [n for n, _ in chunks]
+    total = sum(lens)
+    q = torch.randn(total, heads, head_dim, generator=g).to(torch.bfloat16)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    out = torch.zeros_like(q)
+    scale = head_dim ** -0.5
+    tile_attention.tile_attention_(out, q, k_cache, v_cache, _ints(starts), _ints(lens),
+                                   _ints([p for _, p in chunks]), block_tables, scale)
+    for (n, p), s, table in zip(chunks, starts, tables):
+        ctx = n + p
+        blocks = torch.tensor(table, dtype=torch.long)
+        keys = k_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :ctx].transpose(0, 1)
+        values = v_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :ctx].transpose(0, 1)
+        torch.testing.assert_close(out[s:s + n].float(), _causal_reference(q[s:s + n], keys, values, p, scale),
+                                   atol=ATOL, rtol=0)
+
+
+def test_rejects_what_it_cannot_run() -> None:
+    q = torch.randn(4, 2, 64)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        tile_attention.tile_attention_(torch.empty_like(q), q, q, q, _ints([0]), _ints([4]), _ints([0]), None, 1.0)
+    q = torch.randn(4, 2, 48).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        tile_attention.tile_attention_(torch.empty_like(q), q, q, q, _ints([0]), _ints([4]), _ints([0]), None, 1.0)
+
+
+def _step_logits(runner, kv: KVCacheManager, chunks: list[tuple], tiles: bool) -> torch.Tensor:
+    for seq, start, n in chunks:
+        assert kv.allocate(seq.request_id, start + n) is not None
+    plan = SchedulerOutput(tuple(ScheduledChunk(s, st, n, st + n == s.num_tokens) for s, st, n in chunks),
+                           sum(n for _, _, n in chunks), (), kv.block_tables)
+    runner.use_tiles = tiles
+    input_ids, positions, meta, _, _ = runner.prepare_batch(plan)
+    assert (meta.tile_fresh is not None or meta.tile_ctx is not None) == tiles
+    with torch.inference_mode():
+        return runner.model(input_ids, positions, runner.kv_caches, meta, torch.arange(input_ids.shape[0])).float()
+
+
+def test_engine_prefill_with_tiles_is_as_close_to_float32_as_without(tiny_models: dict[str, Path]) -> None:
+    """bf16 logits of a fresh prefill plus a context chunk, tiles on and off, against the fp32 model."""
+    from sessionserve.model.runner import ModelRunner
+
+    path = tiny_models["qwen3"]
+    g = torch.Generator().manual_seed(7)
+    prompt_a = torch.randint(50, 16000, (90,), generator=g).tolist()
+    prompt_b = torch.randint(50, 16000, (120,), generator=g).tolist()
+    results = {}
+    for dtype, tiles in (("float32", False), ("bfloat16", False), ("bfloat16", True)):
+        runner = ModelRunner(path, ModelConfig(device="cpu", dtype=dtype), CacheConfig(block_size=16, num_blocks=64))
+        if tiles:
+            assert runner.use_tiles
+        kv = KVCacheManager(runner.num_blocks, 16)
+        a = create_seq(len(prompt_a), tokens=prompt_a, rid="a")
+        b = create_seq(len(prompt_b), tokens=prompt_b, rid="b")
+        first = _step_logits(runner, kv, [(a, 0, 90), (b, 0, 50)], tiles)
+        second = _step_logits(runner, kv, [(b, 50, 70)], tiles)  # 70 rows over 50 cached tokens: tile_ctx
+        results[(dtype, tiles)] = torch.cat([first, second])
+    exact = results[("float32", False)]
+    err_sdpa = (results[("bfloat16", False)] - exact).abs().max().item()
+    err_tiles = (results[("bfloat16", True)] - exact).abs().max().item()
+    assert err_tiles <= 1.5 * err_sdpa + 1e-3, (err_tiles, err_sdpa)
+    agree = (results[("bfloat16", True)].argmax(-1) == exact.argmax(-1)).float().mean().item()
+    assert agree >= 0.9
