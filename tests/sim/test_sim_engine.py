@@ -99,7 +99,7 @@ def test_deterministic_and_policies_differ_under_memory_pressure() -> None:
 def test_simulated_hours_in_seconds() -> None:
     trace = agent_trace(num_sessions=20, num_steps=12, wait_s=180.0, output_tokens=20)  # ~1 h of waits each
     t0 = time.perf_counter()
-    result = simulate(make_engine("predictive"), trace.sessions, LoadSpec("closed", 20), max_idle_tick_s=1.0)
+    result = simulate(make_engine("predictive"), trace.sessions, LoadSpec("closed", 20))
     wall = time.perf_counter() - t0
     assert result.makespan_s > 3600 and len(result.steps) == 240
     assert wall < 10, wall  # NOTE: ~2 s on a 2-core machine; the bound leaves room for a loaded one
@@ -126,3 +126,45 @@ def test_run_sim_writes_the_bench_report(tmp_path: Path) -> None:
     assert set(data["policies"]) == {"discard", "keep"} and data["policies"]["keep"]["jct_p50_s"] > 5.0
     for name in PLOT_FILES:
         assert (tmp_path / name).stat().st_size > 1000
+
+
+@pytest.mark.parametrize("policy", ["predictive", "ttl", "least-waste"])
+def test_a_tick_skips_the_policy_only_when_it_would_do_nothing(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ticks with the same inputs before the policy's next decision time skip `decide`: at every such
+    tick of a whole replay (memory pressure, host moves, prefetches), `decide` would have returned
+    no action."""
+    real_tick = SessionManager.tick
+    counts = {"ticks": 0, "skipped": 0}
+
+    def checked_tick(self: SessionManager, now_s: float, num_wanted_blocks: int) -> None:
+        counts["ticks"] += 1
+        decided: list[float] = []
+        self.policy = _Spy(self.policy, decided)
+        try:
+            real_tick(self, now_s, num_wanted_blocks)
+        finally:
+            self.policy = self.policy.inner
+        if not decided:
+            counts["skipped"] += 1
+            assert self.policy.decide(self.view(now_s, num_wanted_blocks)) == ()
+
+    monkeypatch.setattr(SessionManager, "tick", checked_tick)
+    trace = agent_trace(num_sessions=12, num_steps=6, wait_s=3.0)
+    # A device pool that holds ~3 sessions: pressure, offloads and prefetches all happen.
+    result = simulate(make_engine(policy, kv_cache_bytes=1 << 30), trace.sessions, LoadSpec("closed", 8))
+    assert summarize(result)["num_completed"] == 12
+    assert counts["skipped"] > 0 and counts["skipped"] < counts["ticks"]
+
+
+class _Spy:
+    """A policy that records each `decide` call and forwards everything to the real one."""
+
+    def __init__(self, inner: object, calls: list) -> None:
+        self.inner, self.calls = inner, calls
+
+    def decide(self, view: residency.ResidencyView) -> tuple[residency.ResidencyAction, ...]:
+        self.calls.append(view.now_s)
+        return self.inner.decide(view)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)

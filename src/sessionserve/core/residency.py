@@ -77,6 +77,38 @@ class ResidencyPolicy(Protocol):
         """Actions for this moment. Must not act on sessions that are OFFLOADING or RESTORING."""
         ...
 
+    def next_decision_s(self, view: ResidencyView) -> float | None:
+        """For a view on which `decide` returns no action: the earliest time after `view.now_s` at
+        which it could return one with only `now_s` moved forward; None if the clock alone never
+        makes it act. Early is allowed (a wasted call), late is not: the engine skips `decide` until
+        then while nothing else changes."""
+        ...
+
+
+def _first_after(now_s: float, times: list[float]) -> float | None:
+    later = [t for t in times if t > now_s]
+    return min(later) if later else None
+
+
+def _next_flip(s: ParkedSession, now_s: float, threshold_s: float, remaining) -> float | None:
+    """When `remaining(s, t) > threshold_s` next changes truth value after `now_s` (None: never).
+
+    PredictivePolicy.remaining_s is piecewise linear in the time waited: it falls from p50 to 0 over
+    [0, p50), from p90 - p50 over [p50, p90), then grows as the wait itself; so the comparison can
+    only change at a segment boundary or where a segment meets the threshold.
+    """
+    p = s.predicted
+    waits = sorted(w for w in (p.p50_s - threshold_s, p.p50_s, p.p90_s - threshold_s, p.p90_s, threshold_s)
+                   if s.parked_s + w > now_s)
+    above = remaining(s, now_s) > threshold_s
+    times = [s.parked_s + w for w in waits]
+    for t, t_next in zip(times, [*times[1:], times[-1] + 2.0] if times else []):
+        # The comparison is constant between two boundaries: test it in the middle (rounding at the
+        # boundary itself could hide the change and make the answer late).
+        if (remaining(s, (t + t_next) / 2 if t_next > t else t + 1e-6) > threshold_s) != above:
+            return t
+    return None
+
 
 def _pressure(view: ResidencyView) -> int:
     """Device blocks to free now for queued work."""
@@ -104,6 +136,9 @@ class DiscardPolicy:
     def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
         return tuple(ResidencyAction(ActionKind.DROP, s.session_id) for s in _on_device(view))
 
+    def next_decision_s(self, view: ResidencyView) -> float | None:
+        return None
+
 
 @dataclass(frozen=True)
 class KeepPolicy:
@@ -112,6 +147,9 @@ class KeepPolicy:
     def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
         oldest_first = sorted(_on_device(view), key=lambda s: s.parked_s)
         return tuple(_drop_until(oldest_first, _pressure(view)))
+
+    def next_decision_s(self, view: ResidencyView) -> float | None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -135,6 +173,9 @@ class TTLPolicy:
                       key=lambda s: s.parked_s + self.ttl_s(s))  # closest to expiry first
         actions += _drop_until(rest, _pressure(view) - freed)
         return tuple(actions)
+
+    def next_decision_s(self, view: ResidencyView) -> float | None:
+        return _first_after(view.now_s, [s.parked_s + self.ttl_s(s) for s in _on_device(view)])
 
 
 @dataclass(frozen=True)
@@ -178,6 +219,9 @@ class LeastWastePolicy:
         actions += _drop_until(kept, need)
         return tuple(actions)
 
+    def next_decision_s(self, view: ResidencyView) -> float | None:
+        return None  # the predicted p50, costs and room: none moves with the clock
+
 
 @dataclass(frozen=True)
 class PredictivePolicy:
@@ -220,9 +264,9 @@ class PredictivePolicy:
         for s in farthest_first:
             remaining = self.remaining_s(s, now)
             host_rt = 2 * c.host_s_per_block * s.num_blocks
-            is_long = remaining > max(self.keep_floor_s, self.keep_round_trips * host_rt)
+            is_long = remaining > self.keep_threshold_s(s, c)
             if need <= 0 and not is_long:
-                break
+                continue  # (not break: the threshold grows with the session's size)
             if need <= 0:
                 if host_free >= s.num_blocks:
                     actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
@@ -247,13 +291,37 @@ class PredictivePolicy:
         room = view.num_free_device_blocks - reserve - _pressure(view)
         off_device = [s for s in view.parked if s.residency in (Residency.HOST, Residency.DISK)]
         for s in sorted(off_device, key=lambda s: self.remaining_s(s, now)):
-            per_block = c.host_s_per_block if s.residency is Residency.HOST else c.disk_s_per_block
-            lead_s = self.prefetch_lead * per_block * s.num_blocks + 0.05
-            if self.remaining_s(s, now) > lead_s or s.num_blocks > room:
+            if self.remaining_s(s, now) > self.lead_s(s, c) or s.num_blocks > room:
                 continue
             actions.append(ResidencyAction(ActionKind.PREFETCH, s.session_id))
             room -= s.num_blocks
         return tuple(actions)
+
+    def keep_threshold_s(self, s: ParkedSession, c: MoveCosts) -> float:
+        """A predicted remaining wait above this leaves the device even without memory pressure."""
+        return max(self.keep_floor_s, self.keep_round_trips * 2 * c.host_s_per_block * s.num_blocks)
+
+    def lead_s(self, s: ParkedSession, c: MoveCosts) -> float:
+        """Prefetch once the predicted remaining wait is below this."""
+        per_block = c.host_s_per_block if s.residency is Residency.HOST else c.disk_s_per_block
+        return self.prefetch_lead * per_block * s.num_blocks + 0.05
+
+    def next_decision_s(self, view: ResidencyView) -> float | None:
+        if _pressure(view) > 0 or view.num_free_device_blocks < int(self.low_watermark * view.num_device_blocks):
+            return view.now_s
+        # With no action now, every long device session lacks host room and every due one lacks device
+        # room, each on its own: until some session crosses its threshold, that stays so in any order.
+        times: list[float] = []
+        for s in view.parked:
+            if s.residency is Residency.DEVICE:
+                t = _next_flip(s, view.now_s, self.keep_threshold_s(s, view.costs), self.remaining_s)
+            elif s.residency in (Residency.HOST, Residency.DISK):
+                t = _next_flip(s, view.now_s, self.lead_s(s, view.costs), self.remaining_s)
+            else:
+                continue
+            if t is not None:
+                times.append(t)
+        return min(times) if times else None
 
 
 POLICIES: dict[str, type] = {

@@ -59,6 +59,15 @@ class SessionManager:
         self.num_expired = 0
         self.num_corrupt_restores = 0
         self.num_failed_offloads = 0
+        # What the last policy call saw (a change counter of the sessions, free/wanted blocks, costs) and
+        # when its decision could next change by the clock alone: a tick with the same inputs before that
+        # time skips the policy (same view, same answer) and the O(sessions) scans with it.
+        self._version = 0
+        self._decided: tuple | None = None
+        self._decision_due_s: float | None = None
+        self._expiry_version = -1
+        self._oldest_idle_s: float | None = None  # last activity of the longest-idle session
+        self._parked: tuple[int, tuple[ParkedSession, ...]] = (-1, ())  # (version, the view's sessions)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -70,6 +79,7 @@ class SessionManager:
             raise ValueError(f"too many open sessions (limit {self.max_sessions})")
         session = Session(session_id, tenant=tenant, priority=priority, opened_s=now_s, last_active_s=now_s)
         self.sessions[session_id] = session
+        self._version += 1
         return session
 
     def get(self, session_id: str) -> Session | None:
@@ -84,6 +94,7 @@ class SessionManager:
             raise SessionBusyError(f"session {session.session_id!r} already has a turn running")
         if session.state is SessionState.CLOSED:
             raise ValueError(f"session {session.session_id!r} is closed")
+        self._version += 1
         stats = session.stats
         if session.state is SessionState.PARKED and session.parked_s is not None:
             wait_s = now_s - session.parked_s
@@ -121,6 +132,7 @@ class SessionManager:
         session = self.sessions.get(seq.session_id or "")
         if session is None or session.request_id != seq.request_id:
             return None
+        self._version += 1
         if self._blocked.pop(session.session_id, None) is not None:
             # Aborted while its KV was still coming back: the turn never ran, the session is as it was.
             session.request_id = None
@@ -150,6 +162,7 @@ class SessionManager:
             raise SessionBusyError(f"session {session.session_id!r} has a turn running")
         if num_tokens >= len(session.token_ids):
             return
+        self._version += 1
         # The KV first: if it cannot be cut now, the session is left exactly as it was.
         if session.num_computed_tokens > num_tokens:
             if session.residency is Residency.DEVICE:
@@ -171,6 +184,7 @@ class SessionManager:
         session = self.sessions[session_id]
         session.waiting_tools = tuple(tools)
         session.wait_hint_s = wait_hint_s
+        self._version += 1
 
     def fork(self, parent: Session, child_id: str, now_s: float) -> Session:
         """A new session with `parent`'s history (same tenant and class); the parent is untouched.
@@ -190,6 +204,7 @@ class SessionManager:
         session = self.sessions.pop(session_id, None)
         if session is None:
             return False
+        self._version += 1
         session.state = SessionState.CLOSED
         for f in fields(SessionStats):
             setattr(self._closed_stats, f.name, getattr(self._closed_stats, f.name) + getattr(session.stats, f.name))
@@ -214,23 +229,60 @@ class SessionManager:
         """Apply finished moves, expire idle sessions, and carry out the policy's actions."""
         if self.mover is not None:
             for done in self.mover.poll():
+                self._version += 1
                 self._on_move_done(done, now_s)
         for sid in list(self._pending_restore):
             self._start_restore(self.sessions[sid])
-        for session in [s for s in self.sessions.values()
-                        if s.state is not SessionState.RUNNING and now_s - s.last_active_s > self.idle_ttl_s]:
-            self.close(session.session_id)
-            self.num_expired += 1
-        for action in self.policy.decide(self.view(now_s, num_wanted_blocks)):
+        if self._expiry_version != self._version or (self._oldest_idle_s is not None
+                                                     and now_s - self._oldest_idle_s > self.idle_ttl_s):
+            self._expire(now_s)
+        inputs = self._policy_inputs(num_wanted_blocks)
+        if inputs == self._decided and (self._decision_due_s is None or now_s < self._decision_due_s):
+            return
+        view = self.view(now_s, num_wanted_blocks)
+        actions = self.policy.decide(view)
+        self._decided = inputs
+        # Actions change the sessions, so the next tick decides again anyway.
+        self._decision_due_s = None if actions else self.policy.next_decision_s(view)
+        for action in actions:
             self._apply(action, now_s)
 
+    def next_wakeup_s(self, now_s: float, num_wanted_blocks: int = 0) -> float | None:
+        """The earliest time a tick can act with no event in between (a move finishing, a turn arriving
+        or ending): a residency decision coming due or a session expiring. `now_s` if the next tick must
+        look anyway (inputs changed since the policy last ran, or restores wait for room); None if only
+        an event can change anything."""
+        if self._pending_restore or self._expiry_version != self._version \
+                or self._decided != self._policy_inputs(num_wanted_blocks):
+            return now_s
+        expiry = None if self._oldest_idle_s is None else self._oldest_idle_s + self.idle_ttl_s
+        due = [t for t in (self._decision_due_s, expiry) if t is not None]
+        return min(due) if due else None
+
+    def _policy_inputs(self, num_wanted_blocks: int) -> tuple:
+        mover = self.mover
+        return (self._version, self.kv.num_free_blocks, num_wanted_blocks, self.costs,
+                mover.num_free_blocks(Tier.HOST) if mover else 0, mover.num_free_blocks(Tier.DISK) if mover else 0)
+
+    def _expire(self, now_s: float) -> None:
+        """Close sessions idle past the TTL; note when the next one would expire."""
+        idle = [s for s in self.sessions.values() if s.state is not SessionState.RUNNING]
+        for session in [s for s in idle if now_s - s.last_active_s > self.idle_ttl_s]:
+            self.close(session.session_id)
+            self.num_expired += 1
+        self._expiry_version = self._version
+        left = [s.last_active_s for s in idle if s.session_id in self.sessions]
+        self._oldest_idle_s = min(left) if left else None  # (the TTL may change: kept apart)
+
     def view(self, now_s: float, num_wanted_blocks: int) -> ResidencyView:
-        parked = tuple(
-            ParkedSession(s.session_id, s.residency, self._num_blocks(s), s.num_computed_tokens,
-                          s.parked_s if s.parked_s is not None else now_s,
-                          self.predictor.predict(s.waiting_tools, s.wait_hint_s))
-            for s in self.sessions.values()
-            if s.state is SessionState.PARKED and s.residency is not Residency.NONE)
+        if self._parked[0] != self._version:  # the sessions changed since the last view
+            self._parked = (self._version, tuple(
+                ParkedSession(s.session_id, s.residency, self._num_blocks(s), s.num_computed_tokens,
+                              s.parked_s if s.parked_s is not None else now_s,
+                              self.predictor.predict(s.waiting_tools, s.wait_hint_s))
+                for s in self.sessions.values()
+                if s.state is SessionState.PARKED and s.residency is not Residency.NONE))
+        parked = self._parked[1]
         wanted = num_wanted_blocks + sum(self._num_blocks(self.sessions[sid]) for sid in self._pending_restore)
         mover = self.mover
         return ResidencyView(
@@ -287,6 +339,7 @@ class SessionManager:
             self._pending_restore[session.session_id] = None  # retried each tick; the policy sees the demand
             return
         self._pending_restore.pop(session.session_id, None)
+        self._version += 1
         session.residency = Residency.RESTORING
         self.mover.restore(session.session_id, self.kv.block_tables[session.kv_key][:n])
 
@@ -304,6 +357,7 @@ class SessionManager:
         session = self.sessions.get(action.session_id)
         if session is None or session.state is not SessionState.PARKED:
             return
+        self._version += 1
         if action.kind is ActionKind.DROP and session.residency in (Residency.DEVICE, Residency.HOST, Residency.DISK):
             self.kv.commit_full_blocks(session.kv_key, session.token_ids, session.num_computed_tokens)
             self.kv.free(session.kv_key)  # full blocks stay in the prefix cache until evicted

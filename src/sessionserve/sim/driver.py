@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sessionserve.core.sampling_params import SamplingParams
-from sessionserve.core.session import Residency, SessionState
 from sessionserve.sim.engine import SimEngine
 from sessionserve.workload.backend import StepResult
 from sessionserve.workload.inproc import fold_session_stats
@@ -33,13 +32,12 @@ from sessionserve.workload.replay import (
 )
 from sessionserve.workload.trace import AgentSession
 
-# NOTE: as in InprocBackend, an idle engine still steps every IDLE_TICK_S (virtual seconds) while some session's KV
-# is off device or moving, so prefetches start before resumes; with nothing to prefetch the clock jumps ahead.
-# Unlike the real loop, the idle interval doubles while nothing happens, up to MAX_IDLE_TICK_S: a long idle stretch
-# costs ~10 ticks per second instead of 200, and a prefetch starts at most MAX_IDLE_TICK_S later than the real
-# engine would start it.
+# NOTE: the real loop steps an idle engine every IDLE_TICK_S so that time-triggered residency actions (a prefetch
+# before a predicted resume, a TTL drop) happen on time. Here an idle engine steps only when the session manager
+# says a tick can act (`SessionManager.next_wakeup_s`: the policy's next decision time, the next expiry), at least
+# IDLE_TICK_S apart; moves in flight wake it when they finish. Same actions at the same virtual times, without the
+# ticks in between that would decide nothing.
 IDLE_TICK_S = 0.005
-MAX_IDLE_TICK_S = 0.1
 # A replay whose engine has work but produces nothing for this long (simulated seconds) is stuck, not slow.
 STALL_S = 600.0
 
@@ -65,10 +63,8 @@ class SimReplay:
     """One replay of `sessions` under `load` on `engine` (fresh, owned by the caller)."""
 
     def __init__(self, engine: SimEngine, sessions: Sequence[AgentSession], load: LoadSpec, seed: int = 0,
-                 hint_waits: bool = False, on_session_done: Callable[[SessionRecord], None] | None = None,
-                 max_idle_tick_s: float = MAX_IDLE_TICK_S) -> None:
+                 hint_waits: bool = False, on_session_done: Callable[[SessionRecord], None] | None = None) -> None:
         self.engine = engine
-        self.max_idle_tick_s = max_idle_tick_s
         self.clock = engine.clock
         self.sessions = list(sessions)
         self.load = load
@@ -86,7 +82,6 @@ class SimReplay:
         self._queue: list[AgentSession] = []
         self._next_kv_s = 0.0
         self._num_live = 0
-        self._idle_tick_s = IDLE_TICK_S
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -119,9 +114,7 @@ class SimReplay:
                     self._step_done(self._waiting.pop(out.seq.request_id), out.seq)
             if outs or not eng.has_unfinished():
                 progress_s = self.clock()
-            if self.clock() != before or self._has_ready_work():
-                self._idle_tick_s = IDLE_TICK_S
-            elif self.clock() - progress_s > STALL_S:
+            if self.clock() == before and not self._has_ready_work() and self.clock() - progress_s > STALL_S:
                 raise SimStalled(self._stall_message())
             if self.clock() == before and not self._has_ready_work():
                 self.clock.advance_to(self._next_time())
@@ -151,15 +144,11 @@ class SimReplay:
             candidates.append(mover.next_done_s())
         if self.engine.has_unfinished():
             candidates.append(now + IDLE_TICK_S)
-        elif self._needs_ticks():
-            candidates.append(now + self._idle_tick_s)
-            self._idle_tick_s = min(self.max_idle_tick_s, 2 * self._idle_tick_s)
+        else:
+            wake = self.engine.sessions.next_wakeup_s(now)
+            if wake is not None:
+                candidates.append(max(wake, now + IDLE_TICK_S))
         return min(candidates) if candidates else now + IDLE_TICK_S
-
-    def _needs_ticks(self) -> bool:
-        sm = self.engine.sessions
-        return sm.num_moves_pending > 0 or any(
-            s.state is SessionState.PARKED and s.residency in (Residency.HOST, Residency.DISK) for s in sm)
 
     def _handle(self, kind: str, data: object) -> None:
         now = self.clock()
@@ -177,9 +166,9 @@ class SimReplay:
 
     def _start(self, trace: AgentSession, arrival_s: float) -> None:
         now = self.clock()
-        rec = SessionRecord(trace.session_id, arrival_s - 0.0, now)
+        rec = SessionRecord(trace.session_id, arrival_s - 0.0, now, priority=trace.priority)
         self.records.append(rec)
-        esid = self.engine.open_session(trace.session_id)
+        esid = self.engine.open_session(trace.session_id, trace.priority)
         self._stats[trace.session_id] = {}
         self._num_live += 1
         self._send_step(_Live(trace, rec, esid))
@@ -199,7 +188,7 @@ class SimReplay:
             self._fold_stats(trace.session_id, live.engine_sid)
             eng.close_session(live.engine_sid)
             live.num_resets += 1
-            live.engine_sid = eng.open_session(f"{trace.session_id}#{live.num_resets}")
+            live.engine_sid = eng.open_session(f"{trace.session_id}#{live.num_resets}", trace.priority)
         params = SamplingParams(max_tokens=step.output_tokens, temperature=0, ignore_eos=True)
         try:
             rid = eng.add_request(new_ids, params, session_id=live.engine_sid)
@@ -258,7 +247,6 @@ class SimReplay:
 
 
 def simulate(engine: SimEngine, sessions: Sequence[AgentSession], load: LoadSpec, *, seed: int = 0,
-             hint_waits: bool = False, on_session_done: Callable[[SessionRecord], None] | None = None,
-             max_idle_tick_s: float = MAX_IDLE_TICK_S) -> ReplayResult:
+             hint_waits: bool = False, on_session_done: Callable[[SessionRecord], None] | None = None) -> ReplayResult:
     """Replay `sessions` under `load` on `engine`; returns the same `ReplayResult` as the bench's replay."""
-    return SimReplay(engine, sessions, load, seed, hint_waits, on_session_done, max_idle_tick_s).run()
+    return SimReplay(engine, sessions, load, seed, hint_waits, on_session_done).run()

@@ -73,10 +73,10 @@ class SimEngine:
         self.core.add_request(rid, token_ids, params, session_id=session_id)
         return rid
 
-    def open_session(self, session_id: str | None = None) -> str:
+    def open_session(self, session_id: str | None = None, priority: str = "interactive") -> str:
         self._next_id += 1
         sid = session_id or f"sess-{self._next_id}"
-        self.core.open_session(sid)
+        self.core.open_session(sid, priority=priority)
         return sid
 
     def park(self, session_id: str, tools: tuple[str, ...] = (), expected_wait_s: float | None = None) -> None:

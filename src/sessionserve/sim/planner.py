@@ -113,8 +113,7 @@ def probe(trace: TraceSet, profile: CostProfile, q: PlanQuestion, policy: str, h
                                 max_sessions=max(10_000, 4 * sim_users), session_idle_ttl_s=1e9)
     engine = SimEngine(config, profile)
     sessions = replica_sessions(trace, max(q.min_sessions, math.ceil(sim_users * q.sessions_per_user)), q.seed)
-    # NOTE: idle ticks up to 1 s apart: a prefetch may start up to 1 s late (tool waits here are ~10 s).
-    rep = SimReplay(engine, sessions, LoadSpec("closed", sim_users), q.seed, max_idle_tick_s=1.0)
+    rep = SimReplay(engine, sessions, LoadSpec("closed", sim_users), q.seed)
     rep.builder = FastPromptBuilder(profile.model.vocab_size, q.seed)
     t0 = time.perf_counter()
     result = rep.run()

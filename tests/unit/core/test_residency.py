@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from sessionserve.core.residency import (ActionKind, MoveCosts, ParkedSession, ResidencyView, make_policy)
+from sessionserve.core.residency import (POLICIES, ActionKind, MoveCosts, ParkedSession, ResidencyView,
+                                         make_policy)
 from sessionserve.core.session import Residency, Tier
 from sessionserve.core.wait_predictor import WaitPrediction
 
@@ -115,3 +118,44 @@ def test_policies_are_deterministic() -> None:
     for name in ("discard", "keep", "ttl", "least-waste", "predictive"):
         v = view(sessions, free=5, wanted=20, now=4.0)
         assert make_policy(name).decide(v) == make_policy(name).decide(v)
+
+
+# -- next_decision_s: the clock alone never changes an answer before it --------------------------
+
+_RESIDENCIES = (Residency.DEVICE, Residency.HOST, Residency.DISK, Residency.OFFLOADING, Residency.RESTORING)
+
+
+@st.composite
+def _views(draw):
+    n = draw(st.integers(1, 8))
+    sessions = []
+    for i in range(n):
+        p50 = draw(st.floats(0.01, 50.0))
+        p90 = p50 * draw(st.floats(1.0, 6.0))
+        sessions.append(ParkedSession(f"s{i}", draw(st.sampled_from(_RESIDENCIES)), draw(st.integers(1, 40)),
+                                      draw(st.integers(1, 600)), draw(st.floats(0.0, 30.0)),
+                                      WaitPrediction(p50 / 4, p50, p90, 10)))
+    now = max(s.parked_s for s in sessions) + draw(st.floats(0.0, 60.0))
+    total = draw(st.integers(50, 400))
+    free = draw(st.integers(0, total))
+    return ResidencyView(now, tuple(sessions), total, free, draw(st.sampled_from([0, 0, 5, 80])),
+                         draw(st.integers(0, 200)), draw(st.integers(0, 200)), COSTS)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(v=_views(), fractions=st.lists(st.floats(0.0, 1.0, exclude_max=True), min_size=1, max_size=6))
+def test_decision_holds_until_next_decision_time(name: str, v: ResidencyView, fractions: list[float]) -> None:
+    """After a `decide` with no action, the engine skips `decide` while only the clock moves and it
+    is before `next_decision_s`: at any such moment the answer must still be no action."""
+    policy = make_policy(name)
+    if policy.decide(v):
+        return
+    due = policy.next_decision_s(v)
+    assert due is None or due >= v.now_s
+    horizon = (due - v.now_s) if due is not None else 1e4
+    for f in fractions:
+        later = v._replace(now_s=v.now_s + f * horizon)
+        if due is not None and later.now_s >= due:  # rounded up onto the due time itself
+            continue
+        assert policy.decide(later) == (), (name, later.now_s, due)
