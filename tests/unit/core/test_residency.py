@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessionserve.core.residency import (POLICIES, ActionKind, MoveCosts, ParkedSession, ResidencyView,
-                                         make_policy)
+from sessionserve.core.residency import POLICIES, ActionKind, MoveCosts, ParkedSession, ResidencyView, make_policy
 from sessionserve.core.session import Residency, Tier
 from sessionserve.core.wait_predictor import WaitPrediction
 
