@@ -9,6 +9,16 @@ token (p50/p99), background output tokens per second, and ratios to FCFS.
 
     .venv/bin/python bench/scheduling.py                       # defaults recorded in bench/RESULTS.md
     .venv/bin/python bench/scheduling.py --repeats 1 --sessions 16
+
+With `--simulate PROFILE` the same comparison runs on the simulator (the
+engine's own scheduler and residency policy on a virtual clock, step times
+from PROFILE: a `sessionserve calibrate` JSON or a built-in name), and
+`--replicas R` makes it a fleet: R independent replicas (a session-affine
+router: replicas do not interact), each with `--concurrency` agents and
+`--sessions` sessions of its own, drawn from the trace with a per-replica
+seed; percentiles are over every replica's steps.
+
+    .venv/bin/python bench/scheduling.py --simulate bench/profiles/small.json --replicas 100
 """
 
 from __future__ import annotations
@@ -54,6 +64,32 @@ def class_metrics(result: ReplayResult) -> dict[str, Any]:
                      "output_tok_per_s": tokens / result.makespan_s if result.makespan_s else None,
                      "last_done_s": max((r.end_s for r in done), default=None)}
     return out
+
+
+def simulate_fleet(policy: str, trace: Any, profile: Any, engine_kwargs: dict[str, Any], a: argparse.Namespace
+                   ) -> dict[str, Any]:
+    """The comparison on the simulator: `a.replicas` replicas, one after another, pooled."""
+    from sessionserve.sim.driver import simulate
+    from sessionserve.sim.engine import SimEngine
+    from sessionserve.sim.planner import replica_sessions
+
+    pooled: ReplayResult | None = None
+    preemptions = 0
+    for r in range(a.replicas):
+        picks = trace.sessions if a.replicas == 1 else replica_sessions(trace, a.sessions, a.seed + r)
+        sessions = with_batch_fraction(tuple(picks), a.batch_fraction, a.seed + r)
+        eng = SimEngine(Config.from_kwargs(scheduling_policy=policy, **engine_kwargs), profile)
+        result = simulate(eng, sessions, LoadSpec("closed", a.concurrency), seed=a.seed + r)
+        preemptions += eng.core.scheduler.num_priority_preemptions
+        if pooled is None:
+            pooled = result
+        else:  # replicas run side by side: pool steps and sessions, the fleet's makespan is the longest
+            pooled = ReplayResult(pooled.load, pooled.sessions + result.sessions, pooled.steps + result.steps,
+                                  [], max(pooled.makespan_s, result.makespan_s), None, None)
+    assert pooled is not None
+    metrics = class_metrics(pooled)
+    metrics["priority_preemptions"] = preemptions
+    return metrics
 
 
 def run_once(policy: str, sessions: Any, model_dir: Path, engine_kwargs: dict[str, Any], concurrency: int,
@@ -119,19 +155,31 @@ def main() -> None:
     p.add_argument("--las-quantum-tokens", type=int, default=None,
                    help="priority policy: service per level (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--simulate", metavar="PROFILE", default=None,
+                   help="run on the simulator with this cost profile (calibrate JSON or built-in name)")
+    p.add_argument("--replicas", type=int, default=1, help="with --simulate: independent replicas (a fleet)")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "scheduling"))
     a = p.parse_args()
+    if a.simulate is None and a.replicas != 1:
+        p.error("--replicas needs --simulate")
 
-    trace = load_trace(a.trace, token_scale=a.token_scale, time_scale=a.time_scale, max_sessions=a.sessions,
-                       max_steps=a.max_steps, seed=a.seed)
+    # A fleet draws each replica's sessions from the whole trace; one engine replays its first `sessions`.
+    trace = load_trace(a.trace, token_scale=a.token_scale, time_scale=a.time_scale,
+                       max_sessions=a.sessions if a.replicas == 1 else None, max_steps=a.max_steps, seed=a.seed)
     sessions = with_batch_fraction(trace.sessions, a.batch_fraction, a.seed)
-    model_dir = ensure_model("llama", a.model_size)
     engine_kwargs = dict(kv_cache_bytes=a.device_kv_bytes, host_kv_bytes=2 << 30, num_threads=a.threads,
                          max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                         residency_policy="predictive")
+                         residency_policy="predictive", session_idle_ttl_s=1e9)  # no expiry mid-wait
     if a.las_quantum_tokens is not None:
         engine_kwargs["las_quantum_tokens"] = a.las_quantum_tokens
-    warm_up(model_dir, engine_kwargs, a.seed)
+    profile = None
+    if a.simulate is not None:
+        from sessionserve.sim.profile import load_profile
+
+        profile = load_profile(a.simulate)
+    else:
+        model_dir = ensure_model("llama", a.model_size)
+        warm_up(model_dir, engine_kwargs, a.seed)
     policies = [x.strip() for x in a.policies.split(",") if x.strip()]
     results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -139,7 +187,10 @@ def main() -> None:
         order = policies if rep % 2 == 0 else list(reversed(policies))  # alternate: neither always runs first
         for policy in order:
             t0 = time.monotonic()
-            results[policy].append(run_once(policy, sessions, model_dir, engine_kwargs, a.concurrency, a.seed))
+            if profile is not None:
+                results[policy].append(simulate_fleet(policy, trace, profile, engine_kwargs, a))
+            else:
+                results[policy].append(run_once(policy, sessions, model_dir, engine_kwargs, a.concurrency, a.seed))
             r = results[policy][-1]
             print(f"[scheduling] repeat {rep + 1} {policy}: {time.monotonic() - t0:.0f} s, interactive p99 "
                   f"{r['interactive']['step_p99_s']:.2f} s, batch {r['batch']['output_tok_per_s']:.1f} tok/s",
@@ -151,6 +202,9 @@ def main() -> None:
                 "las_quantum_tokens": a.las_quantum_tokens or "default",
                 "repeats": a.repeats, "seed": a.seed, "started": started, "machine": platform.processor() or
                 platform.machine()}
+    if profile is not None:
+        settings.update(simulated=f"profile {profile.label}", replicas=a.replicas,
+                        sessions=a.sessions * a.replicas, agents=a.concurrency * a.replicas)
     md = markdown(results, settings)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
