@@ -97,6 +97,17 @@ inline vf vexp(vf x) {
   return p * scale;
 }
 
+// Bring n elements of keys and values into cache ahead of use.
+template <typename T>
+inline void prefetch_kv(const T* k, const T* v, int64_t n) {
+  const char* kb = reinterpret_cast<const char*>(k);
+  const char* vb = reinterpret_cast<const char*>(v);
+  for (int64_t byte = 0; byte < n * static_cast<int64_t>(sizeof(T)); byte += 64) {
+    __builtin_prefetch(kb + byte);
+    __builtin_prefetch(vb + byte);
+  }
+}
+
 // q: (T, H, D); caches: (NB, Hkv, BS, D); block_tables: (S, MB) int32;
 // seq_idx, pos: (T,) int32. Query t attends to keys [0, pos[t]] of sequence seq_idx[t].
 // Inputs may be float32, bfloat16 or float16; all arithmetic is in float32, 16 lanes at a
@@ -121,10 +132,9 @@ void paged_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const a
     alignas(64) float s[kMaxGroup][kMaxBlock];
     float m[kMaxGroup], l[kMaxGroup];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / Hkv, kh = task % Hkv;
+      const int64_t t = task / Hkv, kh = task % Hkv, ctx = static_cast<int64_t>(ps[t]) + 1;
       const scalar_t* qt = qp + (t * H + kh * G) * D;
       const int32_t* table = bt + static_cast<int64_t>(si[t]) * MB;
-      const int64_t ctx = static_cast<int64_t>(ps[t]) + 1;
       for (int64_t g = 0; g < G; ++g) {
         m[g] = -std::numeric_limits<float>::infinity();
         l[g] = 0.f;
@@ -141,12 +151,7 @@ void paged_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const a
         const scalar_t* vb = vp + off;
         if ((b + 1) * BS < ctx) {  // blocks are scattered: fetch the next one while this one computes
           const int64_t next = ((static_cast<int64_t>(table[b + 1]) * Hkv + kh) * BS) * D;
-          const char* nk = reinterpret_cast<const char*>(kp + next);
-          const char* nv = reinterpret_cast<const char*>(vp + next);
-          for (int64_t byte = 0; byte < static_cast<int64_t>(BS * D * sizeof(scalar_t)); byte += 64) {
-            __builtin_prefetch(nk + byte);
-            __builtin_prefetch(nv + byte);
-          }
+          prefetch_kv(kp + next, vp + next, BS * D);
         }
         for (int64_t j = 0; j < n; ++j) {
           const scalar_t* kj = kb + j * D;
@@ -252,10 +257,9 @@ void paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const 
     alignas(64) float row[kMaxHeadDim];
     float m[kMaxGroup], l[kMaxGroup];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / Hkv, kh = task % Hkv;
+      const int64_t t = task / Hkv, kh = task % Hkv, ctx = static_cast<int64_t>(ps[t]) + 1;
       const uint16_t* qt = qp + (t * H + kh * G) * D;
       const int32_t* table = bt + static_cast<int64_t>(si[t]) * MB;
-      const int64_t ctx = static_cast<int64_t>(ps[t]) + 1;
       for (int64_t g = 0; g < G; ++g) {
         m[g] = -std::numeric_limits<float>::infinity();
         l[g] = 0.f;
@@ -269,12 +273,7 @@ void paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const 
         const uint16_t* vb = vp + off;
         if ((b + 1) * BS < ctx) {  // blocks are scattered: fetch the next one while this one computes
           const int64_t next = ((static_cast<int64_t>(table[b + 1]) * Hkv + kh) * BS) * D;
-          const char* nk = reinterpret_cast<const char*>(kp + next);
-          const char* nv = reinterpret_cast<const char*>(vp + next);
-          for (int64_t byte = 0; byte < static_cast<int64_t>(BS * D * 2); byte += 64) {
-            __builtin_prefetch(nk + byte);
-            __builtin_prefetch(nv + byte);
-          }
+          prefetch_kv(kp + next, vp + next, BS * D);
         }
         const int64_t chunks = (n + 15) / 16;
         for (int64_t jc = 0; jc < chunks; ++jc) {
