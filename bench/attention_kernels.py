@@ -1,0 +1,102 @@
+"""The CPU attention kernels alone, bf16: prefill tiles vs SDPA, and tiles vs the paged kernel on context chunks.
+
+    .venv/bin/python bench/attention_kernels.py [--threads 2] [--repeats 5]
+
+Fresh prefill: `--seqs` sequences of `--len` tokens, causal, through
+`tile_attention` and through PyTorch's fused SDPA (what the engine uses
+without tiles). Context chunks: one sequence with `ctx` cached tokens in a
+scattered block table and `rows` new query tokens, through the paged kernel
+and through the tiles; this is what `attention.TILE_MIN_ROWS` is chosen
+from. Random inputs, median of `--repeats` timed calls after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from sessionserve.model import paged_kernel, tile_attention
+
+
+def timed_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def ints(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seqs", type=int, default=4, help="fresh prefill: sequences")
+    p.add_argument("--len", type=int, default=512, help="fresh prefill: tokens per sequence")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    if not tile_attention.available():
+        raise SystemExit("no AVX512-BF16 tile kernel on this machine/build")
+    H, Hkv, D, BS = a.heads, a.kv_heads, a.head_dim, a.block_size
+    bf16 = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    scale = D ** -0.5
+
+    n, L = a.seqs, a.len
+    q = torch.randn(n * L, H, D, generator=g).to(bf16)
+    k = torch.randn(n * L, Hkv, D, generator=g).to(bf16)
+    v = torch.randn(n * L, Hkv, D, generator=g).to(bf16)
+    out = torch.empty_like(q)
+    starts, lens, zeros = ints([i * L for i in range(n)]), ints([L] * n), ints([0] * n)
+    qs, ks, vs = (x.view(n, L, -1, D).transpose(1, 2) for x in (q, k, v))
+    tiles = timed_ms(lambda: tile_attention.tile_attention_(out, q, k, v, starts, lens, zeros, None, scale), a.repeats)
+    sdpa = timed_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True),
+                    a.repeats)
+    print(f"fresh prefill, {n} x {L} tokens, {H}/{Hkv} heads of {D}, {a.threads} threads")
+    print("| kernel | ms | vs SDPA |\n|---|---|---|")
+    print(f"| SDPA (fused, causal) | {sdpa:.2f} | 1.00x |\n| tiles | {tiles:.2f} | {sdpa / tiles:.2f}x |\n")
+
+    print(f"context chunks, one sequence, block size {BS}")
+    print("| cached tokens | new rows | paged kernel ms | tiles ms | paged / tiles |\n|---|---|---|---|---|")
+    for ctx in (500, 4000, 16000):
+        for rows in (16, 64, 256):
+            paged, tile = context_chunk(ctx, rows, H, Hkv, D, BS, g, a.repeats)
+            print(f"| {ctx} | {rows} | {paged:.2f} | {tile:.2f} | {paged / tile:.2f}x |")
+
+
+def context_chunk(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g: torch.Generator,
+                  repeats: int) -> tuple[float, float]:
+    """ms of the paged kernel and of the tiles for `rows` new tokens over `ctx` cached ones."""
+    bf16, scale, total = torch.bfloat16, D ** -0.5, ctx + rows
+    nb = -(-total // BS)
+    k_cache = torch.randn(nb + 4, Hkv, BS, D, generator=g).to(bf16)
+    v_cache = torch.randn(nb + 4, Hkv, BS, D, generator=g).to(bf16)
+    table = torch.randperm(nb + 4, generator=g)[:nb].view(1, nb).to(torch.int32)
+    q = torch.randn(rows, H, D, generator=g).to(bf16)
+    out = torch.empty_like(q)
+    seq, pos = torch.zeros(rows, dtype=torch.int32), torch.arange(ctx, total, dtype=torch.int32)
+    paged = timed_ms(lambda: paged_kernel.paged_attention(q, k_cache, v_cache, table, seq, pos, scale), repeats)
+    tile = timed_ms(lambda: tile_attention.tile_attention_(out, q, k_cache, v_cache, ints([0]), ints([rows]),
+                                                           ints([ctx]), table, scale), repeats)
+    return paged, tile
+
+if __name__ == "__main__":
+    main()
