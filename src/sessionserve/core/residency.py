@@ -21,6 +21,7 @@ them out through the mover. One interface, chosen by name:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple, Protocol
@@ -90,7 +91,8 @@ def _first_after(now_s: float, times: list[float]) -> float | None:
     return min(later) if later else None
 
 
-def _next_flip(s: ParkedSession, now_s: float, threshold_s: float, remaining) -> float | None:
+def _next_flip(s: ParkedSession, now_s: float, threshold_s: float,
+               remaining: Callable[[ParkedSession, float], float]) -> float | None:
     """When `remaining(s, t) > threshold_s` next changes truth value after `now_s` (None: never).
 
     PredictivePolicy.remaining_s is piecewise linear in the time waited: it falls from p50 to 0 over
