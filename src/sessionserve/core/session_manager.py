@@ -65,6 +65,7 @@ class SessionManager:
         self._version = 0
         self._decided: tuple | None = None
         self._decision_due_s: float | None = None
+        self._due_view: ResidencyView | None = None  # the view whose next decision time is not asked yet
         self._expiry_version = -1
         self._oldest_idle_s: float | None = None  # last activity of the longest-idle session
         self._parked: tuple[int, tuple[ParkedSession, ...]] = (-1, ())  # (version, the view's sessions)
@@ -237,15 +238,23 @@ class SessionManager:
                                                      and now_s - self._oldest_idle_s > self.idle_ttl_s):
             self._expire(now_s)
         inputs = self._policy_inputs(num_wanted_blocks)
-        if inputs == self._decided and (self._decision_due_s is None or now_s < self._decision_due_s):
-            return
+        if inputs == self._decided:
+            due = self._decision_due()
+            if due is None or now_s < due:
+                return
         view = self.view(now_s, num_wanted_blocks)
         actions = self.policy.decide(view)
         self._decided = inputs
-        # Actions change the sessions, so the next tick decides again anyway.
-        self._decision_due_s = None if actions else self.policy.next_decision_s(view)
+        # Actions change the sessions, so the next tick decides again anyway; without any, the policy's
+        # next decision time is asked only if a tick comes with the same inputs (often they have moved).
+        self._decision_due_s, self._due_view = None, (None if actions else view)
         for action in actions:
             self._apply(action, now_s)
+
+    def _decision_due(self) -> float | None:
+        if self._due_view is not None:
+            self._decision_due_s, self._due_view = self.policy.next_decision_s(self._due_view), None
+        return self._decision_due_s
 
     def next_wakeup_s(self, now_s: float, num_wanted_blocks: int = 0) -> float | None:
         """The earliest time a tick can act with no event in between (a move finishing, a turn arriving
@@ -256,7 +265,7 @@ class SessionManager:
                 or self._decided != self._policy_inputs(num_wanted_blocks):
             return now_s
         expiry = None if self._oldest_idle_s is None else self._oldest_idle_s + self.idle_ttl_s
-        due = [t for t in (self._decision_due_s, expiry) if t is not None]
+        due = [t for t in (self._decision_due(), expiry) if t is not None]
         return min(due) if due else None
 
     def _policy_inputs(self, num_wanted_blocks: int) -> tuple:
