@@ -132,3 +132,31 @@ def test_engine_prefill_with_tiles_is_as_close_to_float32_as_without(tiny_models
     assert err_tiles <= 1.5 * err_sdpa + 1e-3, (err_tiles, err_sdpa)
     agree = (results[("bfloat16", True)].argmax(-1) == exact.argmax(-1)).float().mean().item()
     assert agree >= 0.9
+
+
+def test_long_contexts_packed_in_several_groups_match_float32() -> None:
+    """Two sequences over 40k cached tokens each: their packed keys exceed one group's cap (64 MiB), so
+    the kernel packs and runs them in turns; every row still matches the float32 reference."""
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, block_size = 8, 4, 64, 64
+    chunks = [(16, 40_000), (20, 41_000)]
+    blocks_per = [-(-(n + p) // block_size) for n, p in chunks]
+    k_cache = torch.randn(sum(blocks_per), kv_heads, block_size, head_dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(sum(blocks_per), kv_heads, block_size, head_dim, generator=g).to(torch.bfloat16)
+    tables = [list(range(blocks_per[0])), list(range(blocks_per[0], sum(blocks_per)))]
+    width = max(blocks_per)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens = [n for n, _ in chunks]
+    # Large queries: peaked attention (a few keys dominate), so outputs are O(1), not a 40k-key average.
+    q = (torch.randn(sum(lens), heads, head_dim, generator=g) * 6).to(torch.bfloat16)
+    out = torch.zeros_like(q)
+    scale = head_dim ** -0.5
+    tile_attention.tile_attention_(out, q, k_cache, v_cache, _ints([0, lens[0]]), _ints(lens),
+                                   _ints([p for _, p in chunks]), block_tables, scale)
+    for (n, p), s, table in zip(chunks, [0, lens[0]], tables):
+        blocks = torch.tensor(table, dtype=torch.long)
+        keys = k_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :n + p].transpose(0, 1)
+        values = v_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :n + p].transpose(0, 1)
+        expected = _causal_reference(q[s:s + n], keys, values, p, scale)
+        assert expected.abs().mean() > 0.3
+        torch.testing.assert_close(out[s:s + n].float(), expected, atol=ATOL, rtol=0)

@@ -54,6 +54,7 @@ namespace {
 
 constexpr int kTileKeys = 64;    // keys per block: 4 vectors of 16 scores per row
 constexpr int kTileQueries = 32; // query tokens per task (times the heads of a GQA group)
+constexpr int64_t kMaxPackBytes = 64 << 20;  // packed keys and values per group of sequences
 
 // Keys and values of one task, read through either the chunk's own rows or a block table.
 struct KvSource {
@@ -291,40 +292,52 @@ void tile_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, 
     }
     return src;
   };
-  // Pack every key block each sequence needs once: (sequence, KV head, block).
-  std::vector<int64_t> block_base(S + 1, 0);
-  for (int64_t s = 0; s < S; ++s) block_base[s + 1] = block_base[s] + (p0[s] + ln[s] + kTileKeys - 1) / kTileKeys;
+  // Work units are (sequence, KV head) pairs, taken in groups whose packed keys and values stay under
+  // kMaxPackBytes (one unit alone may exceed it): long contexts do not make one huge buffer.
   const int64_t block_vecs = kTileKeys * D / 32;
-  std::vector<__m512bh> kpack(block_base[S] * Hkv * block_vecs), vpack(block_base[S] * Hkv * block_vecs);
-  std::vector<int64_t> pack_seq;
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t b = block_base[s]; b < block_base[s + 1]; ++b) pack_seq.push_back(s);
-  at::parallel_for(0, block_base[S] * Hkv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t gb = task / Hkv, kh = task % Hkv, s = pack_seq[gb];
-      const int64_t at = (gb * Hkv + kh) * block_vecs;
-      pack_block(source(s, kh), D, gb - block_base[s], p0[s] + ln[s], &kpack[at], &vpack[at]);
+  const int64_t unit_bytes_per_block = 2 * block_vecs * static_cast<int64_t>(sizeof(__m512bh));
+  auto num_blocks = [&](int64_t s) { return (p0[s] + ln[s] + kTileKeys - 1) / kTileKeys; };
+  std::vector<__m512bh> kpack, vpack;
+  for (int64_t u0 = 0; u0 < S * Hkv;) {
+    int64_t u1 = u0, group_blocks = 0;
+    while (u1 < S * Hkv && (u1 == u0 || (group_blocks + num_blocks(u1 / Hkv)) * unit_bytes_per_block <= kMaxPackBytes))
+      group_blocks += num_blocks(u1++ / Hkv);
+    // Pack every key block of the group's units once: (unit, block).
+    std::vector<int64_t> unit_base(u1 - u0 + 1, 0), pack_unit;
+    for (int64_t u = u0; u < u1; ++u) {
+      unit_base[u - u0 + 1] = unit_base[u - u0] + num_blocks(u / Hkv);
+      for (int64_t b = 0; b < num_blocks(u / Hkv); ++b) pack_unit.push_back(u);
     }
-  });
-  // Tiles: (sequence, KV head, query tile); packed blocks of (s, kh) are Hkv blocks apart.
-  std::vector<int64_t> task_seq, task_i0;
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t i0 = 0; i0 < ln[s]; i0 += kTileQueries) {
-      task_seq.push_back(s);
-      task_i0.push_back(i0);
-    }
-  at::parallel_for(0, static_cast<int64_t>(task_seq.size()) * Hkv, 1, [&](int64_t begin, int64_t end) {
-    const int64_t R = kTileQueries * G;
-    std::vector<uint32_t> qbuf(R * D / 2), pbuf(R * kTileKeys / 2);
-    std::vector<float> sbuf(R * kTileKeys), obuf(R * D), mbuf(R), lbuf(R), cbuf(R);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / Hkv, kh = task % Hkv, s = task_seq[t], i0 = task_i0[t];
-      const int64_t n = std::min<int64_t>(kTileQueries, ln[s] - i0);
-      tile_task(qp, q.stride(0), op, out.stride(0), G, D, kh, st[s], i0, n, p0[s], &kpack[(block_base[s] * Hkv + kh) * block_vecs],
-                &vpack[(block_base[s] * Hkv + kh) * block_vecs], Hkv * block_vecs, sc, qbuf, sbuf, pbuf, obuf,
-                mbuf, lbuf, cbuf);
-    }
-  });
+    kpack.resize(group_blocks * block_vecs);
+    vpack.resize(group_blocks * block_vecs);
+    at::parallel_for(0, group_blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t gb = begin; gb < end; ++gb) {
+        const int64_t u = pack_unit[gb], s = u / Hkv, kh = u % Hkv;
+        pack_block(source(s, kh), D, gb - unit_base[u - u0], p0[s] + ln[s], &kpack[gb * block_vecs],
+                   &vpack[gb * block_vecs]);
+      }
+    });
+    // Tiles: (unit, query tile).
+    std::vector<int64_t> task_unit, task_i0;
+    for (int64_t u = u0; u < u1; ++u)
+      for (int64_t i0 = 0; i0 < ln[u / Hkv]; i0 += kTileQueries) {
+        task_unit.push_back(u);
+        task_i0.push_back(i0);
+      }
+    at::parallel_for(0, static_cast<int64_t>(task_unit.size()), 1, [&](int64_t begin, int64_t end) {
+      const int64_t R = kTileQueries * G;
+      std::vector<uint32_t> qbuf(R * D / 2), pbuf(R * kTileKeys / 2);
+      std::vector<float> sbuf(R * kTileKeys), obuf(R * D), mbuf(R), lbuf(R), cbuf(R);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t u = task_unit[task], s = u / Hkv, kh = u % Hkv, i0 = task_i0[task];
+        const int64_t n = std::min<int64_t>(kTileQueries, ln[s] - i0);
+        const int64_t at = unit_base[u - u0] * block_vecs;
+        tile_task(qp, q.stride(0), op, out.stride(0), G, D, kh, st[s], i0, n, p0[s], &kpack[at], &vpack[at],
+                  block_vecs, sc, qbuf, sbuf, pbuf, obuf, mbuf, lbuf, cbuf);
+      }
+    });
+    u0 = u1;
+  }
 #else
   TORCH_CHECK(false, "this build has no AVX512-BF16 tiles");
 #endif
