@@ -30,7 +30,6 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +116,7 @@ class ToolExecutor:
             return
         barrier = threading.Barrier(num_threads)
         for _ in range(num_threads):
-            ThreadPoolExecutor.submit(self._pool, _wait_at, barrier)  # not tool work: unmetered
+            self._pool.submit_unmetered(_wait_at, barrier)  # not tool work
 
     def breaker(self, name: str) -> CircuitBreaker:
         if name not in self._breakers:

@@ -136,6 +136,10 @@ class RolePool(ThreadPoolExecutor):
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         return super().submit(self.meter.wrap(fn), *args, **kwargs)
 
+    def submit_unmetered(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Run `fn` on the pool without counting it as the role's work (e.g. warming the threads)."""
+        return super().submit(fn, *args, **kwargs)
+
 
 class CpuRoles:
     """The roles of one process, by name: what /metrics reports."""
