@@ -232,9 +232,26 @@ def error_response(exc: OpenAIError, state: ServerState) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
 
 
+async def read_body(request: Request) -> bytes:
+    """The request body, read as it streams in: a 413 as soon as it passes the server's limit, whether or not
+    the client declared a length (a chunked upload is never held in memory past the limit)."""
+    if hasattr(request, "_body"):  # already read
+        return request._body
+    limit = request.app.state.ss.max_request_bytes
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise OpenAIError(413, f"Request body over {limit} bytes.", "invalid_request_error",
+                              code="request_too_large")
+        chunks.append(chunk)
+    request._body = b"".join(chunks)
+    return request._body
+
+
 async def read_json(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400."""
-    raw = await request.body()
+    """The request body as a JSON object, or a 400 (a 413 when it is over the size limit)."""
+    raw = await read_body(request)
     try:
         body = json.loads(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 
 from sessionserve.llm_engine import LLMEngine
 from sessionserve.server import protocol as P
-from sessionserve.server.app import read_json
+from sessionserve.server.app import read_body, read_json
 from sessionserve.server.routes_openai import check_session_limit, session_key
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/sessions")
     async def create_session(request: Request) -> Any:
-        body = await read_json(request) if await request.body() else {}
+        body = await read_json(request) if await read_body(request) else {}
         sid = body.get("session_id") or f"sess_{uuid.uuid4().hex}"
         priority = body.get("priority", "interactive")
         if not isinstance(sid, str) or not P.valid_session_id(sid):
@@ -84,7 +84,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/sessions/{sid}/fork")
     async def fork_session(sid: str, request: Request) -> Any:
         """A new session starting from `sid`'s history; both go on independently (sub-agents)."""
-        body = await read_json(request) if await request.body() else {}
+        body = await read_json(request) if await read_body(request) else {}
         child = body.get("session_id") or f"sess_{uuid.uuid4().hex}"
         if not isinstance(child, str) or not P.valid_session_id(child):
             raise P.OpenAIError(400, "session_id must be 1-128 characters of [A-Za-z0-9._:-].",
