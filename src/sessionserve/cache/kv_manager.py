@@ -56,6 +56,18 @@ class KVCacheManager:
             blocks.append(block)
         return PrefixHit(blocks, len(blocks) * self.block_size)
 
+    def computes_block(self, request_id: str, index: int, block_hash: bytes) -> bool:
+        """True if `request_id` holds KV whose block `index` will hold `block_hash` once computed (an
+        identical prefix, chained hashes, being prefilled by that request and not in the index yet)."""
+        hashes = self._hashes.get(request_id)
+        return (hashes is not None and request_id in self.block_tables
+                and self._num_committed.get(request_id, 0) <= index < len(hashes) and hashes[index] == block_hash)
+
+    def block_hash(self, request_id: str, index: int) -> bytes | None:
+        """The hash of full block `index` of the tokens last passed for `request_id`, if known."""
+        hashes = self._hashes.get(request_id)
+        return hashes[index] if hashes is not None and index < len(hashes) else None
+
     def num_blocks_required(self, request_id: str, num_total_tokens: int, hit: PrefixHit | None = None) -> int:
         """Free blocks `allocate` would consume for this call (new ones plus revived cached ones)."""
         table = self.block_tables.get(request_id)

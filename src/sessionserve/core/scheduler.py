@@ -15,7 +15,11 @@ pool and time it returns the same plan. Per step, under a token budget:
      far) and is never dropped;
   3. then waiting sequences in order, each reusing its longest cached prefix,
      while the budget, `max_num_seqs` and free blocks allow; then the deferred
-     batch chunks of step 1 with what is left.
+     batch chunks of step 1 with what is left. A waiting sequence whose next
+     uncached block a running sequence is prefilling right now (siblings
+     started together with the same long prefix: sub-agents, forks, a burst of
+     one prompt) waits until that block is cached instead of computing it a
+     second time; those behind it may go first.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class Scheduler:
         self.num_priority_preemptions = 0
         # Blocks the first waiting sequence needed and could not get in the last schedule().
         self.num_wanted_blocks = 0
+        # Admissions put off because a running sequence was computing their next prefix block.
+        self.num_prefix_waits = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -145,6 +151,10 @@ class Scheduler:
             else:
                 hit = self.kv.find_cached_prefix(seq.request_id, seq.token_ids, seq.salt)
                 start = hit.num_tokens
+                if self._prefix_in_flight(seq, len(hit.blocks)):
+                    skipped.append(self.waiting.popleft())
+                    self.num_prefix_waits += 1
+                    continue
             num_new = seq.num_tokens - start
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -186,6 +196,17 @@ class Scheduler:
 
         return SchedulerOutput(tuple(chunks), self.config.max_num_batched_tokens - budget,
                                tuple(urgent_preempted + preempted), self.kv.block_tables)
+
+    def _prefix_in_flight(self, seq: Sequence, index: int) -> bool:
+        """True if a running sequence is computing block `index` of `seq`'s prefix (same chained hash), which
+        `seq` could use once it is cached: the first block past `seq`'s cache hit that it may reuse."""
+        if index >= (len(seq.token_ids) - 1) // self.kv.block_size:
+            return False  # its last token is computed anyway; nothing more to reuse
+        block_hash = self.kv.block_hash(seq.request_id, index)
+        return block_hash is not None and any(
+            other.num_computed_tokens < other.num_tokens - 1 and self.kv.computes_block(other.request_id, index,
+                                                                                          block_hash)
+            for other in self.running)
 
     def _chunk_or_preempt(self, seq: Sequence, budget: int, preempted: list[str]) -> ScheduledChunk | None:
         """The next chunk of running `seq`, preempting from the end of the running order until it fits.

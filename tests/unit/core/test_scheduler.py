@@ -72,6 +72,29 @@ def test_prefix_cache_hit_skips_cached_tokens() -> None:
     assert second.num_cached_tokens == 12
 
 
+def test_a_prefix_being_prefilled_is_not_computed_twice() -> None:
+    """Siblings sent together with the same long prefix: the later ones wait for it to be cached; a request
+    with another prefix is not held up by them."""
+    sched = create_scheduler(block_size=4, max_num_batched_tokens=16)
+    shared = list(range(100, 140))  # 40 tokens: 10 blocks, 3 steps at 16 tokens a step
+    first, second = (create_seq(0, max_tokens=1, tokens=shared + [500 + i, 600 + i]) for i in range(2))
+    other = create_seq(0, max_tokens=1, tokens=list(range(300, 306)))
+    for seq in (first, second, other):
+        sched.add(seq)
+    computed: dict[str, int] = {}
+    for _ in range(10):
+        plan, _ = run_step(sched)
+        for c in plan.chunks:
+            computed[c.seq.request_id] = computed.get(c.seq.request_id, 0) + c.num_tokens
+        if not sched.num_unfinished:
+            break
+    assert not sched.num_unfinished and sched.num_prefix_waits > 0
+    assert second.num_cached_tokens == 40 and computed[second.request_id] == 2
+    assert computed[first.request_id] == 42 and other.num_cached_tokens == 0
+    sched.kv.check_integrity()
+    assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+
+
 def test_preemption_by_recompute_never_loses_a_sequence() -> None:
     # 6 blocks of 4 tokens: two sequences of 8 prompt tokens + 8 outputs cannot both fit.
     sched = create_scheduler(num_blocks=6, block_size=4, prefix=False)
