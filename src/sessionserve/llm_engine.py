@@ -216,6 +216,7 @@ class LLMEngine:
         usage = {"device_blocks_total": self.kv.pool.num_blocks,
                  "device_blocks_used": self.kv.pool.num_used_blocks,
                  "device_blocks_cached": self.kv.pool.num_cached_blocks,
+                 "device_blocks_shared": self.kv.pool.num_shared_blocks,
                  "block_bytes": self.runner.block_bytes}
         if self.mover is not None and self.mover.host is not None:
             usage["host_blocks_total"] = self.mover.host.num_blocks

@@ -40,6 +40,7 @@ class BlockPool:
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.num_evicted_blocks = 0
+        self.num_shared_blocks = 0  # blocks with more than one reference (prefix hits, forks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,7 +88,9 @@ class BlockPool:
             if count < 0:
                 raise RuntimeError(f"block {block} freed more often than allocated")
             self.ref_counts[block] = count
-            if count == 0:
+            if count == 1:
+                self.num_shared_blocks -= 1
+            elif count == 0:
                 if self._hash_of[block] is not None:
                     self._evictable[block] = None
                 else:
@@ -96,9 +99,12 @@ class BlockPool:
     def touch(self, blocks: list[int]) -> None:
         """Add one reference to each (cached) block, taking it off the evictable list."""
         for block in blocks:
-            if self.ref_counts[block] == 0:
+            count = self.ref_counts[block]
+            if count == 0:
                 self._evictable.pop(block, None)
-            self.ref_counts[block] += 1
+            elif count == 1:
+                self.num_shared_blocks += 1
+            self.ref_counts[block] = count + 1
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The cached block holding `block_hash`, or None. Does not change any count."""
@@ -145,5 +151,6 @@ class BlockPool:
             assert in_use + (block in free) + (block in evictable) == 1, f"block {block} in {in_use=}"
             if block in evictable:
                 assert self._hash_of[block] is not None, "uncached block on the evictable list"
+        assert self.num_shared_blocks == sum(1 for c in self.ref_counts if c > 1), "shared block count out of sync"
         for block_hash, block in self._by_hash.items():
             assert self._hash_of[block] == block_hash, "hash index out of sync"

@@ -36,6 +36,8 @@ class Metrics:
         self.sessions = Gauge("sessionserve_sessions", "Open sessions by state/residency", labels + ["residency"],
                               registry=r)
         self.kv_blocks = Gauge("sessionserve_kv_blocks", "KV blocks in use by tier", labels + ["tier"], registry=r)
+        self.shared_kv_bytes = Gauge("sessionserve_shared_kv_bytes", "Device KV bytes in blocks that more than one "
+                                     "sequence reads (prefix hits, forks)", labels, registry=r)
         self.prefix_hit_rate = Gauge("sessionserve_prefix_cache_hit_rate", "Prefix cache hit rate (tokens)",
                                      labels, registry=r)
         self.recompute_tokens = Gauge("sessionserve_session_recompute_tokens", "Tokens recomputed after drops",
@@ -84,6 +86,7 @@ class Metrics:
         self.running.labels(m).set(len(sched.running))
         usage = eng.kv_usage()
         self.kv_blocks.labels(m, "device").set(usage["device_blocks_used"])
+        self.shared_kv_bytes.labels(m).set(usage.get("device_blocks_shared", 0) * usage["block_bytes"])
         self.kv_blocks.labels(m, "host").set(usage.get("host_blocks_used", 0))
         self.kv_blocks.labels(m, "disk").set(usage.get("disk_bytes_used", 0) // max(1, usage["block_bytes"]))
         for key in ("running", "device", "host", "disk", "offloading", "restoring", "none"):

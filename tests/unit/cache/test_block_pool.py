@@ -23,6 +23,20 @@ def test_allocate_and_free_return_to_empty() -> None:
     pool.check_integrity()
 
 
+def test_shared_blocks_are_counted_while_more_than_one_reads_them() -> None:
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    pool.touch(a)  # a second reader (a fork, a prefix hit)
+    pool.touch(a[:1])  # and a third on the first block
+    assert pool.num_shared_blocks == 2
+    pool.free(a)
+    assert pool.num_shared_blocks == 1
+    pool.free(a[:1])
+    assert pool.num_shared_blocks == 0
+    pool.free(a)
+    pool.check_integrity()
+
+
 def test_double_free_raises() -> None:
     pool = BlockPool(2)
     a = pool.allocate(1)
