@@ -96,14 +96,33 @@ def warm_up(a: argparse.Namespace) -> None:
             r.raise_for_status()
 
 
-def server_recompute_tokens(a: argparse.Namespace) -> float | None:
-    """Our server's count of recomputed session tokens (all sessions, open or closed), from /metrics."""
+def server_counters(a: argparse.Namespace) -> dict[str, float]:
+    """Our server's own counts from /metrics: recomputed session tokens (all sessions, open or closed) and the
+    implicit-session matcher's requests, hits and forks."""
     import httpx
 
     text = httpx.get(f"http://127.0.0.1:{a.port}/metrics", timeout=30).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("sessionserve_session_recompute_tokens{")]
-    return sum(values) if values else None
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("sessionserve_session_recompute_tokens{"):
+            key = "recompute_tokens"
+        elif line.startswith("sessionserve_implicit_sessions{"):
+            key = "implicit_" + line.split('what="', 1)[1].split('"', 1)[0]
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def subagent_summary(result: Any) -> dict[str, float]:
+    """Sub-agents of one replay: how many ended, and how much of their first prompts the server had cached
+    (the template they share with their siblings)."""
+    ids = {r.session_id for r in result.subagents}
+    firsts = [s.result for s in result.steps if s.session_id in ids and s.step_index == 0]
+    prompt = sum(r.num_prompt_tokens for r in firsts)
+    return {"subagents": len(ids), "subagents_failed": sum(1 for r in result.subagents if r.end_s is None),
+            "subagent_steps": sum(1 for s in result.steps if s.session_id in ids),
+            "subagent_first_prompt_cached": sum(r.num_cached_tokens for r in firsts) / prompt if prompt else 0.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-jct-s", type=float, default=None)
     p.add_argument("--slo-factor", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--subagents", action="store_true", help="replay the trace's sub-agents (weka_claude_code)")
+    p.add_argument("--only-with-subagents", action="store_true", help="keep only sessions that start sub-agents")
     p.add_argument("--model", default=None, help="HF model folder (default: the embedded llama-small)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
@@ -158,30 +179,40 @@ def main(argv: list[str] | None = None) -> None:
         servers.remove("vllm")
     trace = load_trace(a.trace, traces_dir=a.traces_dir, token_scale=a.token_scale, time_scale=a.time_scale,
                        max_sessions=a.num_sessions, max_steps=a.max_steps, min_steps=a.max_steps,
-                       max_context_tokens=a.max_context, max_wait_s=a.max_wait_s, seed=a.seed)
+                       max_context_tokens=a.max_context, max_wait_s=a.max_wait_s, seed=a.seed,
+                       **({"subagents": True, "only_with_subagents": a.only_with_subagents} if a.subagents else {}))
     loads = _loads(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Any] = {}
     startup: dict[str, float] = {}
     recompute: dict[str, float] = {}
+    counters: dict[str, dict[str, float]] = {}
+    subagents: dict[str, dict[str, float]] = {}
     for name in servers:
         with running(name, a, out) as startup[name]:
             warm_up(a)
             ids = OURS[name][1] if name in OURS else False
-            before = server_recompute_tokens(a) if name in OURS else None
+            before = server_counters(a) if name in OURS else None
             runs.update(run_http(trace, name, loads, lambda ids=ids: HttpBackend(
                 f"http://127.0.0.1:{a.port}", None, ids, None, seed=a.seed), seed=a.seed))
             if before is not None:
-                # Counted by the server, so it covers sessions the client cannot name (no ids).
-                recompute[name] = server_recompute_tokens(a) - before
+                # Counted by the server, so they cover sessions the client cannot name (no ids).
+                after = server_counters(a)
+                counters[name] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+                recompute[name] = counters[name].get("recompute_tokens", 0.0)
         r = runs[name][-1]
+        if a.subagents:
+            subagents[name] = subagent_summary(r)
         print(f"[{name}] done: {len(r.sessions)} sessions, makespan {r.makespan_s:.0f} s", file=sys.stderr, flush=True)
     settings = {k: getattr(a, k) for k in ("mode", "loads", "seed", "max_steps", "max_context", "max_wait_s",
                                            "kv_cache_bytes", "host_kv_bytes", "policy", "max_num_seqs",
                                            "max_num_batched_tokens", "dtype", "threads")}
     settings["server_startup_s"] = {k: round(v, 1) for k, v in startup.items()}
     settings["server_recompute_tokens"] = recompute
+    settings["server_counters"] = counters
+    if subagents:
+        settings["subagents"] = subagents
     settings["server_commands"] = {name: shlex.join(server_command(name, a)[0]) for name in servers}
     meta = {"command": shlex.join(["bench/http_peers.py", *(argv if argv is not None else sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": _model_text(Path(a.model)),
@@ -194,6 +225,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{s['sessions_per_hour'] or 0:8.1f} sessions/h  JCT p50 {s['jct_p50_s'] or 0:6.2f} s "
               f"p99 {s['jct_p99_s'] or 0:6.2f} s  TTFT p99 {s['ttft_p99_s'] or 0:.3f} s"
               + (f"  server recompute {recompute[name]:,.0f} tok" if name in recompute else ""))
+        if name in subagents:
+            sa = subagents[name]
+            print(f"  {'':18s} sub-agents {sa['subagents']:.0f} ({sa['subagents_failed']:.0f} failed, "
+                  f"{sa['subagent_steps']:.0f} steps), first prompts {sa['subagent_first_prompt_cached']:.0%} cached"
+                  + "".join(f"  {k} {v:,.0f}" for k, v in counters.get(name, {}).items() if k != "recompute_tokens"))
     print(f"report: {report}")
 
 

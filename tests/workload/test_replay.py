@@ -60,3 +60,30 @@ def test_tiny_replay_two_policies_writes_the_report(tiny_model: Path, tmp_path: 
     assert "| discard |" in text and "| keep |" in text and "hand-made for the test" in text
     for name in PLOT_FILES:
         assert (tmp_path / "report" / name).stat().st_size > 1000
+
+
+def test_subagents_replay_on_the_engine_and_share_their_template(tiny_model: Path) -> None:
+    from sessionserve.workload.trace import SubAgent
+
+    def child(name: str) -> AgentSession:
+        return AgentSession(name, (Step(64, 3, (ToolCall("Grep", 0.002),), "tool", (77,), 48),
+                                   Step(10, 2, (), "end")))
+
+    parent = AgentSession("p", (Step(40, 3, (ToolCall("Task", 0.001),), "tool"),
+                                Step(12, 3, (ToolCall("Task", 0.001),), "tool"), Step(6, 2, (), "end")),
+                          subagents=(SubAgent(0, child("p.sub1"), 0.01), SubAgent(0, child("p.sub2"), 0.01),
+                                     SubAgent(1, child("p.sub3"), 0.01)))
+    trace = TraceSet("subagents", (parent,), 1.0, 1.0, ("hand-made for the test",))
+    runs = run_inproc(trace, ["keep"], [LoadSpec("closed", 1)], tiny_model, ENGINE, seed=0)
+    (result,) = runs["keep"]
+    assert [s.session_id for s in result.sessions] == ["p"] and result.sessions[0].error is None
+    assert sorted(s.session_id for s in result.subagents) == ["p.sub1", "p.sub2", "p.sub3"]
+    assert all(s.error is None and s.num_steps == 2 for s in result.subagents)
+    assert len(result.steps) == 3 + 3 * 2 and result.extra["leaked_blocks"] == 0
+    # The sub-agent started after its siblings ended finds their template (48 tokens: 3 blocks of 16) cached.
+    late = next(r for r in result.steps if r.session_id == "p.sub3" and r.step_index == 0)
+    assert late.result.num_cached_tokens >= 48
+    # The parent's second step came after both of its first sub-agents ended.
+    ends = {s.session_id: s.end_s for s in result.subagents}
+    second = next(r for r in result.steps if r.session_id == "p" and r.step_index == 1)
+    assert second.start_s >= max(ends["p.sub1"], ends["p.sub2"])

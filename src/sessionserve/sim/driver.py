@@ -64,6 +64,8 @@ class SimReplay:
 
     def __init__(self, engine: SimEngine, sessions: Sequence[AgentSession], load: LoadSpec, seed: int = 0,
                  hint_waits: bool = False, on_session_done: Callable[[SessionRecord], None] | None = None) -> None:
+        if any(s.subagents for s in sessions):
+            raise ValueError("the simulator does not replay sub-agents yet: load the trace without them")
         self.engine = engine
         self.clock = engine.clock
         self.sessions = list(sessions)

@@ -38,7 +38,7 @@ def summarize(result: ReplayResult) -> dict[str, float | int | str | None]:
     ttft = [r.result.ttft_s for r in result.steps if r.result.ttft_s is not None]
     tpot = [r.result.tpot_s for r in result.steps if r.result.tpot_s is not None]
     stats: dict[str, float] = {}
-    for s in result.sessions:
+    for s in (*result.sessions, *result.subagents):
         for k, v in s.stats.items():
             stats[k] = stats.get(k, 0) + v
     hits, late, misses = (stats.get(k) for k in ("num_prefetch_hits", "num_prefetch_late", "num_restore_misses"))
@@ -63,6 +63,8 @@ def summarize(result: ReplayResult) -> dict[str, float | int | str | None]:
         "prefetch_hit_rate": ratio(hits, restores),
         "restore_blocked_s": stats.get("restore_blocked_s"),
         "wait_s_total": sum(s.total_wait_s for s in result.sessions),
+        "num_subagents": len(result.subagents),
+        "num_subagents_failed": sum(1 for s in result.subagents if s.end_s is None),
         "cpu_busy_fraction": ratio(result.busy_s, result.makespan_s),
         "cpu_utilization": ratio(result.cpu_s, result.makespan_s * result.num_cpus) if result.cpu_s else None,
         "peak_device_kv_bytes": max((s.get("device_bytes", 0) for s in result.kv_samples), default=None),

@@ -7,6 +7,12 @@ the trace's own arrivals, however many are already running. Token ids come
 from a `PromptBuilder` seeded with `seed`, so a trace and a seed fix the
 request sequence; only timing differs between runs.
 
+Sub-agents (`AgentSession.subagents`) start as their own sessions when the
+parent's step before them ends, concurrently with each other; the parent waits
+for the blocking ones, then for its step's own tool calls. They are recorded
+apart (`ReplayResult.subagents`), so sessions/hour and JCT count whole tasks
+while their steps count with everyone's.
+
 Backends: `InprocBackend(engine)` and `HttpBackend(url, api_key, supports_sessions)`.
 """
 
@@ -95,6 +101,7 @@ class ReplayResult:
     cpu_s: float | None  # this process's CPU time (inproc: the engine's)
     num_cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
     extra: dict[str, float] = field(default_factory=dict)  # backend checks added by the caller (leaked blocks)
+    subagents: list[SessionRecord] = field(default_factory=list)  # sessions' sub-agents (their steps are in `steps`)
 
 
 def poisson_arrivals(num_sessions: int, rate_per_s: float, seed: int) -> list[float]:
@@ -132,9 +139,12 @@ async def replay(backend: Backend, sessions: Sequence[AgentSession], load: LoadS
     def now() -> float:
         return time.monotonic() - t_start
 
-    async def run_session(trace: AgentSession, arrival_s: float) -> None:
+    subagents: list[SessionRecord] = []
+    background: list[asyncio.Task] = []
+
+    async def run_session(trace: AgentSession, arrival_s: float, *, into: list[SessionRecord] = records) -> None:
         rec = SessionRecord(trace.session_id, arrival_s, now(), priority=trace.priority)
-        records.append(rec)
+        into.append(rec)
         try:
             await backend.open_session(trace.session_id, trace.priority)
             for k, step in enumerate(trace.steps):
@@ -144,9 +154,15 @@ async def replay(backend: Backend, sessions: Sequence[AgentSession], load: LoadS
                 steps.append(StepRecord(trace.session_id, k, start_s, len(ids), res))
                 rec.num_steps += 1
                 if k + 1 < len(trace.steps):
-                    await backend.park(trace.session_id, step.tool_names, step.wait_s)
+                    wait_from = now()
+                    await backend.park(trace.session_id, step.tool_names, trace.expected_wait_s(k))
+                    children = trace.subagents_after(k)
+                    tasks = [(a, asyncio.create_task(run_session(a.session, now(), into=subagents)))
+                             for a in children]
+                    background.extend(t for a, t in tasks if not a.blocking)
+                    await asyncio.gather(*(t for a, t in tasks if a.blocking))
                     await asyncio.sleep(step.wait_s)
-                    rec.total_wait_s += step.wait_s
+                    rec.total_wait_s += now() - wait_from if children else step.wait_s
             rec.end_s = now()
         except Exception as exc:  # noqa: BLE001 - one failed session must not end the run; it is counted
             rec.error = f"{type(exc).__name__}: {exc}"
@@ -155,7 +171,7 @@ async def replay(backend: Backend, sessions: Sequence[AgentSession], load: LoadS
                 rec.stats = await backend.close_session(trace.session_id)
             except Exception as exc:  # noqa: BLE001
                 rec.error = rec.error or f"close: {type(exc).__name__}: {exc}"
-        if on_session_done is not None:
+        if on_session_done is not None and into is records:
             on_session_done(rec)
 
     async def sample_kv(done: asyncio.Event) -> None:
@@ -186,10 +202,12 @@ async def replay(backend: Backend, sessions: Sequence[AgentSession], load: LoadS
                 await run_session(trace, at_s)
 
             await asyncio.gather(*(start_at(s, a) for s, a in zip(sessions, arrivals)))
+        await asyncio.gather(*background)
     finally:
         done.set()
         await sampler
         makespan_s, cpu_s, busy_s = now(), time.process_time() - cpu0, backend.busy_s()
         await backend.stop()
     is_local = isinstance(backend, InprocBackend)
-    return ReplayResult(load, records, steps, kv_samples, makespan_s, busy_s, cpu_s if is_local else None)
+    return ReplayResult(load, records, steps, kv_samples, makespan_s, busy_s, cpu_s if is_local else None,
+                        subagents=subagents)

@@ -69,10 +69,38 @@ class AgentSession:
     source: str = ""
     meta: dict = field(default_factory=dict)
     priority: str = "interactive"  # "interactive" | "batch": the session's scheduling class
+    subagents: tuple[SubAgent, ...] = ()  # sessions this one starts (see `SubAgent`)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.new_input_tokens + s.output_tokens for s in self.steps)
+
+    def subagents_after(self, step_index: int) -> tuple[SubAgent, ...]:
+        return tuple(a for a in self.subagents if a.after_step == step_index)
+
+    def expected_wait_s(self, step_index: int) -> float:
+        """How long the session waits after `step_index` in the trace: its blocking sub-agents, then its tools."""
+        blocking = [a.duration_s for a in self.subagents_after(step_index) if a.blocking]
+        return max(blocking, default=0.0) + self.steps[step_index].wait_s
+
+
+@dataclass(frozen=True)
+class SubAgent:
+    """A session that another one starts when its step `after_step` ends (a coding agent's Task tool).
+
+    Sub-agents started after the same step run concurrently. `blocking`: the
+    parent's next step waits until the sub-agent ends, then waits the step's
+    own tool calls (the rest of its wait in the trace); otherwise the sub-agent
+    runs in the background. A sub-agent's first prompt shares its leading
+    blocks with its siblings' where the trace says so (`prefix_block_ids`).
+    `duration_s`: its span in the trace, from its first call to the end of its
+    last (a wait hint; the replay measures its own).
+    """
+
+    after_step: int
+    session: AgentSession
+    duration_s: float
+    blocking: bool = True
 
 
 @dataclass(frozen=True)
@@ -119,15 +147,20 @@ def scale_session(session: AgentSession, token_scale: float, time_scale: float) 
         context_kept_tokens=None if s.context_kept_tokens is None else round(s.context_kept_tokens / token_scale))
         for s in session.steps)
     arrival = None if session.arrival_s is None else session.arrival_s / time_scale
-    return replace(session, steps=steps, arrival_s=arrival)
+    subagents = tuple(replace(a, session=scale_session(a.session, token_scale, time_scale),
+                              duration_s=a.duration_s / time_scale) for a in session.subagents)
+    return replace(session, steps=steps, arrival_s=arrival, subagents=subagents)
 
 
 def truncate_session(session: AgentSession, max_steps: int) -> AgentSession:
+    """The first `max_steps` steps (the last becomes an "end" step); sub-agents started by a later step, or
+    by the new last step (nothing would wait for them), are dropped."""
     if len(session.steps) <= max_steps:
         return session
     steps = session.steps[:max_steps]
     steps = steps[:-1] + (replace(steps[-1], tool_calls=(), wait_kind="end"),)
-    return replace(session, steps=steps)
+    subagents = tuple(a for a in session.subagents if a.after_step < max_steps - 1)
+    return replace(session, steps=steps, subagents=subagents)
 
 
 def with_batch_fraction(sessions: Sequence[AgentSession], fraction: float, seed: int) -> tuple[AgentSession, ...]:

@@ -7,8 +7,10 @@
                 "tool_calls": [{"name": "Bash", "duration_s": 0.4, "group": 0}],
                 "prefix_block_ids": [0, 1], "prefix_block_tokens": 64, "context_kept_tokens": null}, ...]}
 
-Optional keys (a session's `priority`, a step's prefix and kept-context fields) may be left out (their defaults apply). A reader refuses a
-newer `version` than it knows, so an old harness never misreads a new trace.
+Optional keys (a session's `priority` and `subagents`, a step's prefix and kept-context fields) may be left out
+(their defaults apply). A sub-agent is `{"after_step": 3, "duration_s": 41.0, "blocking": true, "session": {...}}`
+with a session in the same form. A reader refuses a newer `version` than it knows, so an old harness never
+misreads a new trace.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from sessionserve.workload.trace import SCHEMA_VERSION, AgentSession, Step, ToolCall, TraceSet
+from sessionserve.workload.trace import SCHEMA_VERSION, AgentSession, Step, SubAgent, ToolCall, TraceSet
 
 FORMAT = "sessionserve.agent_trace"
 
@@ -50,14 +52,19 @@ def session_to_dict(session: AgentSession) -> dict[str, Any]:
          "meta": session.meta, "steps": [step_to_dict(s) for s in session.steps]}
     if session.priority != "interactive":
         d["priority"] = session.priority
+    if session.subagents:
+        d["subagents"] = [{"after_step": a.after_step, "duration_s": a.duration_s, "blocking": a.blocking,
+                           "session": session_to_dict(a.session)} for a in session.subagents]
     return d
 
 
 def session_from_dict(d: dict[str, Any]) -> AgentSession:
     arrival = d.get("arrival_s")
+    subagents = tuple(SubAgent(int(a["after_step"]), session_from_dict(a["session"]), float(a["duration_s"]),
+                               bool(a.get("blocking", True))) for a in d.get("subagents", ()))
     return AgentSession(str(d["session_id"]), tuple(step_from_dict(s) for s in d["steps"]),
                         None if arrival is None else float(arrival), str(d.get("source", "")), dict(d.get("meta", {})),
-                        str(d.get("priority", "interactive")))
+                        str(d.get("priority", "interactive")), subagents)
 
 
 def write_jsonl(trace: TraceSet, path: str | Path) -> Path:

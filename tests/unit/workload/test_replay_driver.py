@@ -83,3 +83,39 @@ def test_trace_arrivals_need_arrival_times() -> None:
         arrival_times(sessions(2), LoadSpec("open"), seed=0)
     timed = [AgentSession(s.session_id, s.steps, arrival_s=5.0 + i) for i, s in enumerate(sessions(2))]
     assert arrival_times(timed, LoadSpec("open"), seed=0) == [0.0, 1.0]
+
+
+def test_subagents_run_concurrently_and_the_parent_waits_for_the_blocking_ones() -> None:
+    from sessionserve.workload.trace import SubAgent
+
+    class Timed(FakeBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.t: dict[tuple[str, int], float] = {}
+
+        async def generate(self, session_id, step_index, new_token_ids, max_tokens, context_kept_tokens=None):
+            self.t[(session_id, step_index)] = asyncio.get_running_loop().time()
+            return await super().generate(session_id, step_index, new_token_ids, max_tokens, context_kept_tokens)
+
+    def child(name: str, wait_s: float) -> AgentSession:
+        return AgentSession(name, (Step(4, 1, (ToolCall("tool", wait_s),), "tool", prefix_block_ids=(5,),
+                                        prefix_block_tokens=4), Step(2, 1, (), "end")))
+
+    parent = AgentSession("p", (Step(8, 2, (ToolCall("tool", 0.01),), "tool"), Step(3, 1, (), "end")), subagents=(
+        SubAgent(0, child("p.sub1", 0.05), 0.05), SubAgent(0, child("p.sub2", 0.10), 0.10),
+        SubAgent(0, child("p.bg", 0.30), 0.30, blocking=False)))
+    be = Timed()
+    result = asyncio.run(replay(be, [parent], LoadSpec("closed", 1)))
+    assert [r.session_id for r in result.sessions] == ["p"]
+    assert sorted(r.session_id for r in result.subagents) == ["p.bg", "p.sub1", "p.sub2"]
+    assert all(r.end_s is not None for r in (*result.sessions, *result.subagents))
+    t = be.t
+    # All three start together, right after the parent's first step.
+    assert max(t[(s, 0)] for s in ("p.sub1", "p.sub2", "p.bg")) - t[("p", 0)] < 0.05
+    # The parent's next step waits for the slower blocking one, then its own 0.01 s; not for the background one.
+    assert t[("p", 1)] >= t[("p.sub2", 1)] + 0.01
+    assert t[("p", 1)] < t[("p.bg", 1)]
+    # Siblings' first prompts start with the same template tokens.
+    first = {sid: ids for sid, k, ids, *_ in be.sent if k == 0}
+    assert first["p.sub1"][:4] == first["p.sub2"][:4] == first["p.bg"][:4]
+    assert len(result.steps) == 2 + 3 * 2

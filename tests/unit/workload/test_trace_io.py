@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from sessionserve.workload.trace import SCHEMA_VERSION, AgentSession, Step, ToolCall, TraceSet, with_batch_fraction
+from sessionserve.workload.trace import (
+    SCHEMA_VERSION,
+    AgentSession,
+    Step,
+    SubAgent,
+    ToolCall,
+    TraceSet,
+    with_batch_fraction,
+)
 from sessionserve.workload.trace_io import is_agent_jsonl, read_jsonl, write_jsonl
 
 
@@ -18,7 +26,10 @@ def make_trace() -> TraceSet:
         Step(20, 5, (ToolCall("user", 30.0),), "human", context_kept_tokens=40),
         Step(3, 2, (), "end"),
     ), arrival_s=1.5, source="test", meta={"k": 1})
-    s2 = AgentSession("b", (Step(7, 1, (), "end"),), priority="batch")
+    child = AgentSession("b.sub1", (Step(40, 4, (ToolCall("Grep", 1.0),), "tool", prefix_block_ids=(9,),
+                                         prefix_block_tokens=30), Step(5, 2, (), "end")))
+    s2 = AgentSession("b", (Step(7, 1, (ToolCall("tool", 0.5),), "tool"), Step(3, 1, (), "end")), priority="batch",
+                      subagents=(SubAgent(0, child, 12.0), SubAgent(0, child, 30.0, blocking=False)))
     return TraceSet("unit", (s1, s2), token_scale=4.0, time_scale=2.0, provenance=("made by hand",))
 
 
@@ -73,3 +84,14 @@ def test_batch_fraction_is_deterministic_and_order_free() -> None:
     assert [s.session_id for s in marked] == [s.session_id for s in sessions]
     with pytest.raises(ValueError):
         with_batch_fraction(sessions, 1.5, seed=0)
+
+
+def test_subagents_scale_truncate_and_set_the_expected_wait() -> None:
+    parent = make_trace().sessions[1]
+    assert parent.expected_wait_s(0) == pytest.approx(12.0 + 0.5)  # blocking sub-agents, then its own tools
+    scaled = make_trace().scaled(token_scale=2.0, time_scale=4.0).sessions[1]
+    assert scaled.subagents[0].duration_s == pytest.approx(3.0)
+    assert scaled.subagents[0].session.steps[0].new_input_tokens == 20
+    assert scaled.subagents[0].session.steps[0].prefix_block_tokens == 15
+    # Cut to one step: nothing would wait for sub-agents started after it.
+    assert make_trace().truncated(1).sessions[1].subagents == ()
