@@ -297,6 +297,9 @@ def test_forks_equal_independent_sessions_and_share_blocks(tiny_llama: Path, tmp
     shared = set(eng.kv.block_tables[rid_a]) & set(eng.kv.block_tables[rid_b]) \
         & set(eng.kv.block_tables[eng.get_session(parent).kv_key])
     assert len(shared) == len(full) // 16 > 0
+    # The residency policies see that moving the parked parent would free none of those blocks.
+    (seen,) = [p for p in eng.sessions.view(0.0, 0).parked if p.session_id == parent]
+    assert seen.num_shared_blocks == len(shared) and seen.num_freed_blocks == seen.num_blocks - len(shared)
     done: dict[str, list[int]] = {}
     while len(done) < 2:
         done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})

@@ -37,6 +37,14 @@ class ParkedSession(NamedTuple):
     num_tokens: int  # computed tokens: what a drop would make us recompute
     parked_s: float
     predicted: WaitPrediction
+    # Of num_blocks on device, those that other live sequences read too (a fork's children, a shared
+    # prompt): they stay on device whatever happens to this session, so moving it does not free them.
+    num_shared_blocks: int = 0
+
+    @property
+    def num_freed_blocks(self) -> int:
+        """Device blocks that moving or dropping this session frees."""
+        return self.num_blocks - self.num_shared_blocks
 
 
 class MoveCosts(NamedTuple):
@@ -118,12 +126,14 @@ def _pressure(view: ResidencyView) -> int:
 
 
 def _drop_until(candidates: list[ParkedSession], need: int) -> list[ResidencyAction]:
+    """Drop candidates in order until `need` blocks are freed. Sessions all of whose blocks others read go
+    last: dropping one alone frees nothing (only a whole group of parked sessions sharing blocks does)."""
     actions = []
-    for s in candidates:
+    for s in sorted(candidates, key=lambda s: s.num_freed_blocks <= 0):
         if need <= 0:
             break
         actions.append(ResidencyAction(ActionKind.DROP, s.session_id))
-        need -= s.num_blocks
+        need -= s.num_freed_blocks
     return actions
 
 
@@ -170,7 +180,7 @@ class TTLPolicy:
         on_device = _on_device(view)
         expired = [s for s in on_device if view.now_s - s.parked_s >= self.ttl_s(s)]
         actions = [ResidencyAction(ActionKind.DROP, s.session_id) for s in expired]
-        freed = sum(s.num_blocks for s in expired)
+        freed = sum(s.num_freed_blocks for s in expired)
         rest = sorted((s for s in on_device if s not in expired),
                       key=lambda s: s.parked_s + self.ttl_s(s))  # closest to expiry first
         actions += _drop_until(rest, _pressure(view) - freed)
@@ -191,7 +201,8 @@ class LeastWastePolicy:
         used = view.num_device_blocks - view.num_free_device_blocks
         recompute_s = c.recompute_s_per_token * s.num_tokens
         out = {
-            "keep": s.num_blocks * s.predicted.p50_s,
+            # Blocks other sequences read stay on device anyway: keeping costs only the session's own.
+            "keep": s.num_freed_blocks * s.predicted.p50_s,
             # Recompute holds the session's blocks while prefilling and stalls the running batch.
             "drop": s.num_blocks * recompute_s + used * recompute_s,
         }
@@ -210,10 +221,10 @@ class LeastWastePolicy:
             if choice == "swap" and host_free >= s.num_blocks:
                 actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
                 host_free -= s.num_blocks
-                need -= s.num_blocks
+                need -= s.num_freed_blocks
             elif choice == "drop":
                 actions.append(ResidencyAction(ActionKind.DROP, s.session_id))
-                need -= s.num_blocks
+                need -= s.num_freed_blocks
             else:
                 kept.append(s)
         # Under pressure, the kept sessions that waste least by dropping go first.
@@ -262,8 +273,12 @@ class PredictivePolicy:
         # Demote: farthest predicted next use first. Long waits leave at once (NOTE: waiting
         # for pressure means the next prefill finds no room and preempts running work, whose
         # recompute costs more than the move); short ones only while memory is short.
-        farthest_first = sorted(_on_device(view), key=lambda s: -self.remaining_s(s, now))
+        # Sessions all of whose blocks others read (a fork's running children) go last and only under
+        # pressure: moving one frees nothing on its own.
+        farthest_first = sorted(_on_device(view), key=lambda s: (s.num_freed_blocks <= 0, -self.remaining_s(s, now)))
         for s in farthest_first:
+            if s.num_freed_blocks <= 0 and need <= 0:
+                continue
             remaining = self.remaining_s(s, now)
             host_rt = 2 * c.host_s_per_block * s.num_blocks
             is_long = remaining > self.keep_threshold_s(s, c)
@@ -287,7 +302,7 @@ class PredictivePolicy:
                 host_free -= s.num_blocks
             else:
                 actions.append(ResidencyAction(ActionKind.DROP, s.session_id))
-            need -= s.num_blocks
+            need -= s.num_freed_blocks
 
         # Prefetch: soonest predicted resume first, into room above the watermark.
         room = view.num_free_device_blocks - reserve - _pressure(view)

@@ -288,7 +288,7 @@ class SessionManager:
             self._parked = (self._version, tuple(
                 ParkedSession(s.session_id, s.residency, self._num_blocks(s), s.num_computed_tokens,
                               s.parked_s if s.parked_s is not None else now_s,
-                              self.predictor.predict(s.waiting_tools, s.wait_hint_s))
+                              self.predictor.predict(s.waiting_tools, s.wait_hint_s), self._num_shared_blocks(s))
                 for s in self.sessions.values()
                 if s.state is SessionState.PARKED and s.residency is not Residency.NONE))
         parked = self._parked[1]
@@ -330,6 +330,18 @@ class SessionManager:
 
     def _num_blocks(self, session: Session) -> int:
         return self.kv.blocks_needed(session.num_computed_tokens)
+
+    def _num_shared_blocks(self, session: Session) -> int:
+        """Device blocks of the session that other sequences hold too. Sharing comes from prefix hits and
+        forks, so it is a prefix of the table: the leading run is counted, at the time of the view."""
+        table = self.kv.block_tables.get(session.kv_key) if session.residency is Residency.DEVICE else None
+        refs = self.kv.pool.ref_counts
+        n = 0
+        for block in table or ():
+            if refs[block] < 2:
+                break
+            n += 1
+        return n
 
     def _adopt(self, session: Session, seq: Sequence) -> None:
         """Give the session's device blocks to its running turn."""

@@ -14,8 +14,9 @@ COSTS = MoveCosts(host_s_per_block=0.001, disk_s_per_block=0.01, recompute_s_per
 
 
 def parked(sid: str, *, blocks: int = 10, parked_s: float = 0.0, p50: float = 5.0,
-           residency: Residency = Residency.DEVICE) -> ParkedSession:
-    return ParkedSession(sid, residency, blocks, blocks * 16, parked_s, WaitPrediction(p50 / 4, p50, p50 * 4, 10))
+           residency: Residency = Residency.DEVICE, shared: int = 0) -> ParkedSession:
+    return ParkedSession(sid, residency, blocks, blocks * 16, parked_s, WaitPrediction(p50 / 4, p50, p50 * 4, 10),
+                         shared)
 
 
 def view(sessions, *, now: float = 1.0, free: int = 50, total: int = 100, wanted: int = 0,
@@ -112,6 +113,24 @@ def test_policies_free_enough_under_pressure(name: str) -> None:
     assert len({a.session_id for a in acts}) == len(acts)  # one action per session
 
 
+@pytest.mark.parametrize("name", ["keep", "ttl", "least-waste", "predictive"])
+def test_under_pressure_sessions_whose_blocks_others_read_go_last(name: str) -> None:
+    """A parked parent whose blocks its running forks read frees nothing by leaving: the policies count
+    the blocks a move frees, and take the sessions that free something first."""
+    readers = [parked(f"parent{i}", blocks=10, shared=10, parked_s=0.0, p50=50.0) for i in range(3)]
+    own = [parked(f"own{i}", blocks=10, shared=4, parked_s=0.5 + i * 0.1, p50=10.0 + i) for i in range(4)]
+    acts = make_policy(name).decide(view(readers + own, free=0, wanted=12))
+    moved = {a.session_id for a in acts if a.kind in (ActionKind.DROP, ActionKind.OFFLOAD)}
+    assert sum(6 for sid in moved if sid.startswith("own")) >= 12  # 6 own blocks each
+    assert not any(sid.startswith("parent") for sid in moved), acts
+
+
+def test_predictive_does_not_move_a_session_others_read_without_pressure() -> None:
+    pol = make_policy("predictive")
+    acts = pol.decide(view([parked("read", p50=100.0, shared=10), parked("alone", p50=100.0)]))
+    assert kinds(acts) == {"alone": ActionKind.OFFLOAD}
+
+
 def test_policies_are_deterministic() -> None:
     sessions = [parked(f"s{i}", blocks=3 + i, parked_s=i * 0.3, p50=2.0 * i + 1) for i in range(6)]
     for name in ("discard", "keep", "ttl", "least-waste", "predictive"):
@@ -131,9 +150,11 @@ def _views(draw):
     for i in range(n):
         p50 = draw(st.floats(0.01, 50.0))
         p90 = p50 * draw(st.floats(1.0, 6.0))
-        sessions.append(ParkedSession(f"s{i}", draw(st.sampled_from(_RESIDENCIES)), draw(st.integers(1, 40)),
+        blocks = draw(st.integers(1, 40))
+        sessions.append(ParkedSession(f"s{i}", draw(st.sampled_from(_RESIDENCIES)), blocks,
                                       draw(st.integers(1, 600)), draw(st.floats(0.0, 30.0)),
-                                      WaitPrediction(p50 / 4, p50, p90, 10)))
+                                      WaitPrediction(p50 / 4, p50, p90, 10),
+                                      draw(st.sampled_from([0, 0, blocks // 2, blocks]))))
     now = max(s.parked_s for s in sessions) + draw(st.floats(0.0, 60.0))
     total = draw(st.integers(50, 400))
     free = draw(st.integers(0, total))
