@@ -16,6 +16,9 @@ Shared-prefix structure (optional, where a trace knows it):
   session context; a number means the client cut the context to its first
   that many tokens first (compaction, restart), and the rest is recomputed.
 
+Sub-agents (`AgentSession.subagents`, optional): sessions a session starts
+after one of its steps (a coding agent's Task tool); see `SubAgent`.
+
 `TraceSet` is what a loader returns: the sessions plus the scale factors
 applied and a `provenance` list saying where each part came from and what was
 synthesised (reports print it). On disk: JSONL, see `trace_io.py`.
