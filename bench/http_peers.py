@@ -114,7 +114,7 @@ def server_counters(a: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def subagent_summary(result: Any) -> dict[str, float]:
+def subagent_summary(result: Any) -> dict[str, Any]:
     """Sub-agents of one replay: how many ended, and how much of their first prompts the server had cached
     (the template they share with their siblings)."""
     ids = {r.session_id for r in result.subagents}
@@ -122,6 +122,7 @@ def subagent_summary(result: Any) -> dict[str, float]:
     prompt = sum(r.num_prompt_tokens for r in firsts)
     return {"subagents": len(ids), "subagents_failed": sum(1 for r in result.subagents if r.end_s is None),
             "subagent_steps": sum(1 for s in result.steps if s.session_id in ids),
+            "first_error": next((r.error for r in result.subagents if r.error), None),
             "subagent_first_prompt_cached": sum(r.num_cached_tokens for r in firsts) / prompt if prompt else 0.0}
 
 
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     startup: dict[str, float] = {}
     recompute: dict[str, float] = {}
     counters: dict[str, dict[str, float]] = {}
-    subagents: dict[str, dict[str, float]] = {}
+    subagents: dict[str, dict[str, Any]] = {}
     for name in servers:
         with running(name, a, out) as startup[name]:
             warm_up(a)
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
             sa = subagents[name]
             print(f"  {'':18s} sub-agents {sa['subagents']:.0f} ({sa['subagents_failed']:.0f} failed, "
                   f"{sa['subagent_steps']:.0f} steps), first prompts {sa['subagent_first_prompt_cached']:.0%} cached"
-                  + "".join(f"  {k} {v:,.0f}" for k, v in counters.get(name, {}).items() if k != "recompute_tokens"))
+                  + "".join(f"  {k} {v:,.0f}" for k, v in counters.get(name, {}).items() if k != "recompute_tokens")
+                  + (f"  first error: {sa['first_error']}" if sa["first_error"] else ""))
     print(f"report: {report}")
 
 

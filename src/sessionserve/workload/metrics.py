@@ -65,6 +65,7 @@ def summarize(result: ReplayResult) -> dict[str, float | int | str | None]:
         "wait_s_total": sum(s.total_wait_s for s in result.sessions),
         "num_subagents": len(result.subagents),
         "num_subagents_failed": sum(1 for s in result.subagents if s.end_s is None),
+        "first_subagent_error": next((s.error for s in result.subagents if s.error), None),
         "cpu_busy_fraction": ratio(result.busy_s, result.makespan_s),
         "cpu_utilization": ratio(result.cpu_s, result.makespan_s * result.num_cpus) if result.cpu_s else None,
         "peak_device_kv_bytes": max((s.get("device_bytes", 0) for s in result.kv_samples), default=None),
