@@ -337,7 +337,18 @@ def main(argv: list[str] | None = None) -> None:
                        help="optimizer steps per model (default: train.DEFAULT_NUM_STEPS)")
     train.add_argument("--train-minutes", type=float, default=None,
                        help="extra wall-clock cap per model; a run it cuts short is not reproducible")
+    train.add_argument("--distill", action="store_true",
+                       help="with --pair: distill the draft from the trained target (its next-token "
+                            "distributions, on corpus text and on the target's own greedy continuations)")
+    train.add_argument("--distill-from", type=Path, default=None, metavar="TARGET",
+                       help="distill one model (--train-shape, default draft) from the model folder TARGET")
     args = parser.parse_args(argv)
+    if args.distill_from is not None:
+        args.train = True
+        if args.pair:
+            parser.error("--distill-from trains one draft; use --pair --distill to train both")
+    if args.distill and not args.pair:
+        parser.error("--distill needs --pair (or use --distill-from TARGET)")
     if args.train:
         if args.size is not None:
             parser.error("--size is for random weights; trained shapes are --train-shape or --pair")
@@ -364,7 +375,12 @@ def _train_main(args: argparse.Namespace) -> None:
         max_train_s=None if args.train_minutes is None else 60.0 * args.train_minutes,
     )
     if args.pair:
-        results = tr.train_pair(args.out, cfg, arch=args.arch, cache_dir=args.cache_dir)
+        results = tr.train_pair(args.out, cfg, arch=args.arch, cache_dir=args.cache_dir, distill=args.distill)
+    elif args.distill_from is not None:
+        shape = args.train_shape if args.train_shape != "target" else "draft"
+        out = args.out if args.out is not None else tr.default_trained_dir(shape, args.cache_dir)
+        results = (tr.distill_model(out, args.distill_from, tr.SHAPES[shape], cfg, arch=args.arch, role=shape,
+                                    cache_dir=args.cache_dir),)
     else:
         out = args.out if args.out is not None else tr.default_trained_dir(args.train_shape, args.cache_dir)
         results = (tr.train_model(out, tr.SHAPES[args.train_shape], cfg, arch=args.arch, role=args.train_shape,
