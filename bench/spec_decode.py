@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-dtype", default=None, help="the draft model's dtype (default: the target's)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "spec_decode.json"))
@@ -116,7 +117,7 @@ def main() -> None:
     common = dict(num_threads=a.threads, dtype="float32", max_num_seqs=max(batches), kv_cache_bytes=1 << 30,
                   max_num_batched_tokens=4096)
     spec = {"none": {}, "ngram": dict(speculative_method="ngram"),
-            "draft": dict(speculative_method="draft", draft_model=a.draft)}
+            "draft": dict(speculative_method="draft", draft_model=a.draft, draft_dtype=a.draft_dtype)}
     spec.update({f"{m}-fixed": dict(spec[m], spec_adaptive=False) for m in ("ngram", "draft")})
     engines = {m: LLM(a.target, num_speculative_tokens=a.num_speculative_tokens, **common, **spec[m])
                for m in methods}

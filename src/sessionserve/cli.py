@@ -20,11 +20,14 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: prompt lookup (ngram) or a draft model")
     parser.add_argument("--draft-model", default=None, help="draft model folder (same tokenizer) for --speculative-method draft")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="most tokens proposed per step")
+    parser.add_argument("--draft-dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the draft model's dtype (default: the target's); bfloat16 makes a small draft's "
+                             "steps about twice as fast on CPUs with native bf16, outputs unchanged")
 
 
 def _spec_kwargs(args: argparse.Namespace) -> dict:
     return dict(speculative_method=args.speculative_method, draft_model=args.draft_model,
-                num_speculative_tokens=args.num_speculative_tokens)
+                num_speculative_tokens=args.num_speculative_tokens, draft_dtype=args.draft_dtype)
 
 
 def model_specs(values: list[str] | None) -> list[tuple[str | None, str | None]]:

@@ -154,6 +154,10 @@ class SpeculativeConfig:
     draft_model: str | None = None
     # The draft model's own KV budget (it keeps the context of every drafting sequence).
     draft_kv_cache_bytes: int = 256 * MiB
+    # The draft model's compute dtype; None: the target's. Its precision changes only which tokens it
+    # proposes, never the output (the target verifies every one), and a small draft's step is bound by
+    # reading its weights: bfloat16 halves that.
+    draft_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_method not in ("none", "ngram", "draft"):
@@ -166,6 +170,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_method 'draft' needs draft_model (a model folder)")
         if self.draft_kv_cache_bytes <= 0:
             raise ValueError("draft_kv_cache_bytes must be positive")
+        if self.draft_dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"draft_dtype must be auto|float32|bfloat16|float16, got {self.draft_dtype!r}")
 
 
 @dataclass(frozen=True)

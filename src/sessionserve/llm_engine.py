@@ -147,7 +147,8 @@ class LLMEngine:
             from sessionserve.model.drafter import DraftProposer
 
             assert spec.draft_model is not None
-            drafter = DraftProposer(spec.draft_model, config.model, spec.draft_kv_cache_bytes,
+            draft_model = config.model if spec.draft_dtype is None else replace(config.model, dtype=spec.draft_dtype)
+            drafter = DraftProposer(spec.draft_model, draft_model, spec.draft_kv_cache_bytes,
                                     config.cache.block_size, self.runner)
             return drafter, replace(policy, draft_cost=drafter.relative_cost)
         return None, policy

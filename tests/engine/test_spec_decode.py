@@ -27,6 +27,8 @@ def _methods(tiny_models: dict[str, Path]) -> list[dict]:
         dict(speculative_method="draft", draft_model=llama, spec_adaptive=False),
         # another model as the draft: nearly every proposal is rejected (the residual path)
         dict(speculative_method="draft", draft_model=qwen2, spec_adaptive=False, num_speculative_tokens=2),
+        # the target in bfloat16 as its draft: mostly accepted, some rejected where rounding flips a choice
+        dict(speculative_method="draft", draft_model=llama, spec_adaptive=False, draft_dtype="bfloat16"),
     ]
 
 
@@ -37,7 +39,7 @@ def _assert_clean(llm: LLM) -> None:
     assert not llm.engine.has_unfinished()
 
 
-@pytest.mark.parametrize("method", [0, 1, 2])
+@pytest.mark.parametrize("method", [0, 1, 2, 3])
 def test_greedy_with_drafts_equals_target_alone(tiny_models: dict[str, Path], method: int) -> None:
     """Mixed batch: greedy, seeded sampling, logprobs (never drafts), stop strings, short and long outputs,
     under memory pressure (preemption) and chunked prefill."""
@@ -62,6 +64,9 @@ def test_greedy_with_drafts_equals_target_alone(tiny_models: dict[str, Path], me
     assert core.num_spec_proposed > 0
     if method == 1:
         assert core.num_spec_accepted == core.num_spec_proposed
+    if method == 3:
+        assert core.proposer.runner.dtype == torch.bfloat16 and llm.engine.runner.dtype == torch.float32
+        assert core.num_spec_accepted > core.num_spec_proposed // 2
     # 28 blocks of 8 tokens cannot hold the batch: the target alone preempts; with drafts it may
     # finish sequences sooner and need not
     assert base.engine.core.scheduler.num_preemptions > 0
