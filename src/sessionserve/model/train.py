@@ -82,6 +82,13 @@ SHAPES: dict[str, TrainShape] = {
     # ~10M params; about a third of the target's FLOPs per token.
     "draft": TrainShape(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=768),
+    # ~39M params: a target with a wider gap to its draft (8 x 512).
+    "large": TrainShape(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                        intermediate_size=1408),
+    # ~4.4M params, most of them the embedding and lm_head: a draft whose step costs little beside its
+    # target's (2 x 128); distill it (`--distill-from`) so that it agrees with the target.
+    "mini": TrainShape(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=384),
     # For tests: trains in well under a second per few steps.
     "tiny": TrainShape(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                        intermediate_size=128, head_dim=32),
@@ -253,6 +260,18 @@ def _hf_weights(model: PreTrainedModel, arch: str, cfg: dict[str, Any]) -> dict[
     return tensors
 
 
+def _setup(shape: TrainShape, train: TrainConfig, arch: str, cache_dir: Path | None,
+           corpus: Corpus | None) -> tuple[Path, dict[str, Any], Corpus, bool]:
+    """The tokenizer file, config.json contents, corpus (loaded unless given) and bf16 choice of a run."""
+    tok_path = ensure_tokenizer(cache_dir)
+    eos, pad = special_token_ids(tok_path)
+    cfg = shape_config(arch, shape.config_shape(), eos, pad)
+    if corpus is None:
+        corpus = load_corpus(tok_path, train.max_corpus_bytes, train.eval_file_stride)
+    use_bf16 = cpu_bf16_is_fast() if train.use_bf16 is None else train.use_bf16
+    return tok_path, cfg, corpus, use_bf16
+
+
 def train_model(
     out_dir: str | Path,
     shape: TrainShape,
@@ -267,12 +286,7 @@ def train_model(
 
     corpus: pass one from ``load_corpus`` to share tokenization between models.
     """
-    tok_path = ensure_tokenizer(cache_dir)
-    eos, pad = special_token_ids(tok_path)
-    cfg = shape_config(arch, shape.config_shape(), eos, pad)
-    if corpus is None:
-        corpus = load_corpus(tok_path, train.max_corpus_bytes, train.eval_file_stride)
-    use_bf16 = cpu_bf16_is_fast() if train.use_bf16 is None else train.use_bf16
+    tok_path, cfg, corpus, use_bf16 = _setup(shape, train, arch, cache_dir, corpus)
     windows = eval_windows(corpus.eval_ids, train.seq_len, train.num_eval_windows)
 
     model = build_hf_model(cfg, train.seed)
@@ -415,12 +429,7 @@ def distill_model(
     """
     from transformers import AutoModelForCausalLM
 
-    tok_path = ensure_tokenizer(cache_dir)
-    eos, pad = special_token_ids(tok_path)
-    cfg = shape_config(arch, shape.config_shape(), eos, pad)
-    if corpus is None:
-        corpus = load_corpus(tok_path, train.max_corpus_bytes, train.eval_file_stride)
-    use_bf16 = cpu_bf16_is_fast() if train.use_bf16 is None else train.use_bf16
+    tok_path, cfg, corpus, use_bf16 = _setup(shape, train, arch, cache_dir, corpus)
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
