@@ -168,3 +168,28 @@ class _Spy:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
+
+
+def test_subagents_run_on_the_virtual_clock_as_in_the_replay() -> None:
+    from sessionserve.workload.trace import SubAgent
+
+    def child(name: str, wait_s: float) -> AgentSession:
+        return AgentSession(name, (Step(3000, 40, (ToolCall("Grep", wait_s),), "tool", (99,), 2048),
+                                   Step(200, 20, (), "end")))
+
+    parent = AgentSession("p", (Step(1500, 60, (ToolCall("Task", 2.0),), "tool"), Step(300, 30, (), "end")),
+                          subagents=(SubAgent(0, child("p.sub1", 10.0), 10.0), SubAgent(0, child("p.sub2", 30.0), 30.0),
+                                     SubAgent(0, child("p.bg", 100.0), 100.0, blocking=False)))
+    result = simulate(make_engine("predictive"), [parent], LoadSpec("closed", 1))
+    assert [r.session_id for r in result.sessions] == ["p"]
+    assert sorted(r.session_id for r in result.subagents) == ["p.bg", "p.sub1", "p.sub2"]
+    assert all(r.end_s is not None for r in (*result.sessions, *result.subagents))
+    start = {(r.session_id, r.step_index): r.start_s for r in result.steps}
+    ends = {r.session_id: r.end_s for r in result.subagents}
+    # The parent's second step: after the slower blocking sub-agent, plus its own 2 s; not after the background one.
+    assert start[("p", 1)] >= ends["p.sub2"] + 2.0 - 1e-9
+    assert start[("p", 1)] < ends["p.bg"]
+    # Siblings started together: the template (2,048 tokens) is prefilled once.
+    firsts = sorted(r.result.num_cached_tokens for r in result.steps if r.session_id != "p" and r.step_index == 0)
+    assert firsts[0] == 0 and firsts[1:] == [2048, 2048]
+    assert summarize(result)["num_subagents"] == 3

@@ -8,6 +8,10 @@ context-cut handling as `InprocBackend`), tool waits. Engine steps advance
 the clock by their predicted time. The result is a `ReplayResult`, so
 `workload.metrics`, `results` and `report` apply unchanged.
 
+Sub-agents start as their own sessions when their parent's step ends, as in
+the bench's replay: the parent's next step waits for the blocking ones, then
+for its own tool wait; they are recorded apart (`ReplayResult.subagents`).
+
 Deterministic: the same trace, load, seed and profile give the same result.
 """
 
@@ -57,6 +61,9 @@ class _Live:
     step_start_s: float = 0.0
     num_new_tokens: int = 0
     num_resets: int = 0
+    is_subagent: bool = False
+    parent: _Live | None = None  # the session waiting for this sub-agent to end, if any
+    num_blocking: int = 0  # sub-agents this session waits for before its next step
 
 
 class SimReplay:
@@ -64,8 +71,6 @@ class SimReplay:
 
     def __init__(self, engine: SimEngine, sessions: Sequence[AgentSession], load: LoadSpec, seed: int = 0,
                  hint_waits: bool = False, on_session_done: Callable[[SessionRecord], None] | None = None) -> None:
-        if any(s.subagents for s in sessions):
-            raise ValueError("the simulator does not replay sub-agents yet: load the trace without them")
         self.engine = engine
         self.clock = engine.clock
         self.sessions = list(sessions)
@@ -75,6 +80,7 @@ class SimReplay:
         self.builder = PromptBuilder(engine.profile.model.vocab_size, seed)
         self.seed = seed
         self.records: list[SessionRecord] = []
+        self.subagents: list[SessionRecord] = []
         self.steps: list[StepRecord] = []
         self.kv_samples: list[dict[str, float]] = []
         self._events: list[tuple[float, int, str, object]] = []
@@ -123,7 +129,7 @@ class SimReplay:
         self._sample_kv(force=True)
         makespan = self.clock() - t0
         return ReplayResult(self.load, self.records, self.steps, self.kv_samples, makespan,
-                            busy_s=eng.executor.busy_s, cpu_s=None)
+                            busy_s=eng.executor.busy_s, cpu_s=None, subagents=self.subagents)
 
     def _stall_message(self) -> str:
         sch, kv = self.engine.core.scheduler, self.engine.kv
@@ -166,14 +172,16 @@ class SimReplay:
 
     # -- sessions -------------------------------------------------------------------------------
 
-    def _start(self, trace: AgentSession, arrival_s: float) -> None:
+    def _start(self, trace: AgentSession, arrival_s: float, *, subagent: bool = False,
+               parent: _Live | None = None) -> None:
+        """Open a session and send its first step. `subagent`: recorded apart; `parent`: waits for it."""
         now = self.clock()
         rec = SessionRecord(trace.session_id, arrival_s - 0.0, now, priority=trace.priority)
-        self.records.append(rec)
+        (self.subagents if subagent else self.records).append(rec)
         esid = self.engine.open_session(trace.session_id, trace.priority)
         self._stats[trace.session_id] = {}
         self._num_live += 1
-        self._send_step(_Live(trace, rec, esid))
+        self._send_step(_Live(trace, rec, esid, is_subagent=subagent, parent=parent))
 
     def _send_step(self, live: _Live) -> None:
         """`InprocBackend._add`, on the sim engine: cut the context if the step says so, queue the turn."""
@@ -210,12 +218,20 @@ class SimReplay:
         self.steps.append(StepRecord(live.trace.session_id, live.step_index, live.step_start_s,
                                      live.num_new_tokens, result))
         live.record.num_steps += 1
-        step = live.trace.steps[live.step_index]
-        if live.step_index + 1 < len(live.trace.steps):
-            self.engine.park(live.engine_sid, step.tool_names, step.wait_s if self.hint_waits else None)
+        k = live.step_index
+        step = live.trace.steps[k]
+        if k + 1 < len(live.trace.steps):
+            self.engine.park(live.engine_sid, step.tool_names,
+                             live.trace.expected_wait_s(k) if self.hint_waits else None)
             live.record.total_wait_s += step.wait_s
             live.step_index += 1
-            self._at(self.clock() + step.wait_s, "resume", live)
+            # Sub-agents start now, side by side; the blocking ones hold the next step until they end.
+            children = live.trace.subagents_after(k)
+            live.num_blocking = sum(1 for a in children if a.blocking)
+            for a in children:
+                self._start(a.session, self.clock(), subagent=True, parent=live if a.blocking else None)
+            if live.num_blocking == 0:
+                self._at(self.clock() + step.wait_s, "resume", live)
         else:
             live.record.end_s = self.clock()
             self._end(live)
@@ -226,6 +242,14 @@ class SimReplay:
         self.engine.close_session(live.engine_sid)
         live.record.stats = self._stats.pop(sid)
         self._num_live -= 1
+        if live.is_subagent:
+            parent = live.parent
+            if parent is not None:
+                parent.num_blocking -= 1
+                if parent.num_blocking == 0:  # its sub-agents are back: then the rest of its wait
+                    waited = parent.trace.steps[parent.step_index - 1].wait_s
+                    self._at(self.clock() + waited, "resume", parent)
+            return
         if self.load.mode == "closed":
             self._at(self.clock(), "agent", None)
         if self.on_session_done is not None:
