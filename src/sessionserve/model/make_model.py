@@ -368,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _train_main(args: argparse.Namespace) -> None:
     from sessionserve.model import train as tr
+    from sessionserve.model.distill import distill_model
 
     cfg = tr.TrainConfig(
         num_steps=args.train_steps if args.train_steps is not None else tr.DEFAULT_NUM_STEPS,
@@ -379,8 +380,8 @@ def _train_main(args: argparse.Namespace) -> None:
     elif args.distill_from is not None:
         shape = args.train_shape if args.train_shape != "target" else "draft"
         out = args.out if args.out is not None else tr.default_trained_dir(shape, args.cache_dir)
-        results = (tr.distill_model(out, args.distill_from, tr.SHAPES[shape], cfg, arch=args.arch, role=shape,
-                                    cache_dir=args.cache_dir),)
+        results = (distill_model(out, args.distill_from, tr.SHAPES[shape], cfg, arch=args.arch, role=shape,
+                                 cache_dir=args.cache_dir),)
     else:
         out = args.out if args.out is not None else tr.default_trained_dir(args.train_shape, args.cache_dir)
         results = (tr.train_model(out, tr.SHAPES[args.train_shape], cfg, arch=args.arch, role=args.train_shape,

@@ -13,7 +13,7 @@ losses and wall time.
 
 ``train_pair`` trains a target and a smaller draft.  By default the draft is
 trained separately: same corpus, same seed, so the same batches in the same
-order as the target.  ``distill_model`` (``--distill``) instead trains it to
+order as the target.  ``distill.distill_model`` (``--distill``) instead trains it to
 match the target's next-token distributions (KL), half of each batch on
 corpus text and half on the target's own greedy continuations of corpus
 prompts, the text a draft has to predict; ``training.json`` then records
@@ -37,7 +37,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -260,16 +260,100 @@ def _hf_weights(model: PreTrainedModel, arch: str, cfg: dict[str, Any]) -> dict[
     return tensors
 
 
-def _setup(shape: TrainShape, train: TrainConfig, arch: str, cache_dir: Path | None,
-           corpus: Corpus | None) -> tuple[Path, dict[str, Any], Corpus, bool]:
-    """The tokenizer file, config.json contents, corpus (loaded unless given) and bf16 choice of a run."""
-    tok_path = ensure_tokenizer(cache_dir)
-    eos, pad = special_token_ids(tok_path)
-    cfg = shape_config(arch, shape.config_shape(), eos, pad)
-    if corpus is None:
-        corpus = load_corpus(tok_path, train.max_corpus_bytes, train.eval_file_stride)
-    use_bf16 = cpu_bf16_is_fast() if train.use_bf16 is None else train.use_bf16
-    return tok_path, cfg, corpus, use_bf16
+@dataclass
+class TrainingRun:
+    """One model being trained (or distilled): its config, corpus, weights and progress.
+
+    `start` builds the model (initialised from the seed); `fit` runs the
+    optimizer on whatever loss it is given; `finish` writes the HF folder with
+    ``training.json`` (the common record plus the caller's extra fields).
+    """
+
+    role: str
+    arch: str
+    shape: TrainShape
+    train: TrainConfig
+    tok_path: Path
+    cfg: dict[str, Any]
+    corpus: Corpus
+    use_bf16: bool
+    windows: torch.Tensor  # held-out eval windows
+    model: PreTrainedModel
+    initial_eval: float
+    losses: list[float] = field(default_factory=list)
+    stopped_by: str = "steps"
+    train_s: float = 0.0
+
+    @classmethod
+    def start(cls, shape: TrainShape, train: TrainConfig, *, arch: str, role: str, cache_dir: Path | None,
+              corpus: Corpus | None) -> TrainingRun:
+        tok_path = ensure_tokenizer(cache_dir)
+        eos, pad = special_token_ids(tok_path)
+        cfg = shape_config(arch, shape.config_shape(), eos, pad)
+        if corpus is None:
+            corpus = load_corpus(tok_path, train.max_corpus_bytes, train.eval_file_stride)
+        use_bf16 = cpu_bf16_is_fast() if train.use_bf16 is None else train.use_bf16
+        windows = eval_windows(corpus.eval_ids, train.seq_len, train.num_eval_windows)
+        model = build_hf_model(cfg, train.seed)
+        return cls(role, arch, shape, train, tok_path, cfg, corpus, use_bf16, windows, model,
+                   eval_loss(model, windows))
+
+    def fit(self, next_loss: Callable[[], torch.Tensor]) -> None:
+        """The optimizer loop: `next_loss()` draws a batch and returns its loss."""
+        model, train = self.model, self.train
+        model.train()
+        opt = _optimizer(model, train)
+        start = time.perf_counter()
+        for step in range(train.num_steps):
+            lr = lr_at(budget_progress(step, time.perf_counter() - start, train), train)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss = next_loss()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+            opt.step()
+            self.losses.append(loss.item())
+            if train.log_every and ((step + 1) % train.log_every == 0 or step + 1 == train.num_steps):
+                elapsed = time.perf_counter() - start
+                tok_s = (step + 1) * train.batch_size * train.seq_len / elapsed
+                print(f"[{self.role}] step {step + 1}/{train.num_steps} loss {loss.item():.3f} "
+                      f"lr {lr:.2e} {tok_s:.0f} tok/s {elapsed:.0f}s", file=sys.stderr, flush=True)
+            # Checked after a step, so even a tiny cap trains at least one.
+            if train.max_train_s is not None and step + 1 < train.num_steps \
+                    and time.perf_counter() - start >= train.max_train_s:
+                self.stopped_by = "time"
+                break
+        self.train_s = time.perf_counter() - start
+
+    def finish(self, out_dir: str | Path, extra: dict[str, Any]) -> TrainResult:
+        """Write the HF folder; ``training.json`` holds the run's settings, losses, wall time and `extra`."""
+        model, train, corpus = self.model, self.train, self.corpus
+        tail = self.losses[-max(1, len(self.losses) // 10):]  # the last 10% of steps: a smoothed final loss
+        record = {
+            "role": self.role,
+            "arch": self.arch,
+            "shape": asdict(self.shape),
+            "num_params": sum(p.numel() for p in model.parameters()),
+            "train_config": asdict(train),
+            "use_bf16": self.use_bf16,
+            "num_steps_done": len(self.losses),
+            "stopped_by": self.stopped_by,
+            "num_train_tokens_seen": len(self.losses) * train.batch_size * train.seq_len,
+            "corpus": {"num_train_files": corpus.num_train_files, "num_eval_files": corpus.num_eval_files,
+                       "num_train_tokens": len(corpus.train_ids), "num_eval_tokens": len(corpus.eval_ids),
+                       "num_eval_windows": len(self.windows)},
+            "initial_eval_loss": self.initial_eval,
+            "final_train_loss": sum(tail) / len(tail),
+            "final_eval_loss": eval_loss(model, self.windows),
+            "train_s": round(self.train_s, 2),
+            "torch_threads": torch.get_num_threads(),
+            "torch_version": torch.__version__,
+            **extra,
+        }
+        path = write_model_folder(out_dir, self.cfg, lambda: _hf_weights(model, self.arch, self.cfg),
+                                  self.tok_path, {"training.json": record})
+        return TrainResult(path, record)
 
 
 def train_model(
@@ -286,186 +370,11 @@ def train_model(
 
     corpus: pass one from ``load_corpus`` to share tokenization between models.
     """
-    tok_path, cfg, corpus, use_bf16 = _setup(shape, train, arch, cache_dir, corpus)
-    windows = eval_windows(corpus.eval_ids, train.seq_len, train.num_eval_windows)
-
-    model = build_hf_model(cfg, train.seed)
-    num_params = sum(p.numel() for p in model.parameters())
+    run = TrainingRun.start(shape, train, arch=arch, role=role, cache_dir=cache_dir, corpus=corpus)
     gen = torch.Generator().manual_seed(train.seed)
-    initial_eval = eval_loss(model, windows)
-    losses, stopped_by, train_s = _fit(
-        model, lambda: batch_loss(model, sample_batch(corpus.train_ids, train.batch_size, train.seq_len, gen),
-                                  use_bf16), train, role)
-
-    record = _record(role, arch, shape, num_params, train, use_bf16, losses, stopped_by, corpus, windows,
-                     initial_eval, model, train_s)
-    record["distilled"] = False
-    path = write_model_folder(out_dir, cfg, lambda: _hf_weights(model, arch, cfg), tok_path,
-                              {"training.json": record})
-    return TrainResult(path, record)
-
-
-def _record(role: str, arch: str, shape: TrainShape, num_params: int, train: TrainConfig, use_bf16: bool,
-            losses: list[float], stopped_by: str, corpus: Corpus, windows: torch.Tensor, initial_eval: float,
-            model: PreTrainedModel, train_s: float) -> dict[str, Any]:
-    """training.json's common fields: settings, losses and wall time of one run."""
-    tail = losses[-max(1, len(losses) // 10):]  # the last 10% of steps: a smoothed final loss
-    return {
-        "role": role,
-        "arch": arch,
-        "shape": asdict(shape),
-        "num_params": num_params,
-        "train_config": asdict(train),
-        "use_bf16": use_bf16,
-        "num_steps_done": len(losses),
-        "stopped_by": stopped_by,
-        "num_train_tokens_seen": len(losses) * train.batch_size * train.seq_len,
-        "corpus": {"num_train_files": corpus.num_train_files, "num_eval_files": corpus.num_eval_files,
-                   "num_train_tokens": len(corpus.train_ids), "num_eval_tokens": len(corpus.eval_ids),
-                   "num_eval_windows": len(windows)},
-        "initial_eval_loss": initial_eval,
-        "final_train_loss": sum(tail) / len(tail),
-        "final_eval_loss": eval_loss(model, windows),
-        "train_s": round(train_s, 2),
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-    }
-
-
-def _fit(model: PreTrainedModel, next_loss: Callable[[], torch.Tensor], train: TrainConfig,
-         role: str) -> tuple[list[float], str, float]:
-    """The optimizer loop: `next_loss()` draws a batch and returns its loss. Returns (losses, stopped_by, s)."""
-    model.train()
-    opt = _optimizer(model, train)
-    losses: list[float] = []
-    stopped_by = "steps"
-    start = time.perf_counter()
-    for step in range(train.num_steps):
-        lr = lr_at(budget_progress(step, time.perf_counter() - start, train), train)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss = next_loss()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
-        opt.step()
-        losses.append(loss.item())
-        if train.log_every and ((step + 1) % train.log_every == 0 or step + 1 == train.num_steps):
-            elapsed = time.perf_counter() - start
-            tok_s = (step + 1) * train.batch_size * train.seq_len / elapsed
-            print(f"[{role}] step {step + 1}/{train.num_steps} loss {loss.item():.3f} "
-                  f"lr {lr:.2e} {tok_s:.0f} tok/s {elapsed:.0f}s", file=sys.stderr, flush=True)
-        # Checked after a step, so even a tiny cap trains at least one.
-        if train.max_train_s is not None and step + 1 < train.num_steps \
-                and time.perf_counter() - start >= train.max_train_s:
-            stopped_by = "time"
-            break
-    return losses, stopped_by, time.perf_counter() - start
-
-
-@torch.no_grad()
-def teacher_continuations(teacher: PreTrainedModel, ids: torch.Tensor, num_sequences: int, prompt_len: int,
-                          gen_len: int, gen: torch.Generator, batch_size: int = 32) -> torch.Tensor:
-    """(num_sequences, prompt_len + gen_len) token ids: random corpus windows of prompt_len tokens, each
-    continued greedily by `teacher` for gen_len tokens (what a draft must predict when it drafts for it)."""
-    teacher.eval()
-    out = []
-    for i in range(0, num_sequences, batch_size):
-        prompts = sample_batch(ids, min(batch_size, num_sequences - i), prompt_len - 1, gen)
-        seqs = teacher.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=gen_len,
-                                min_new_tokens=gen_len, do_sample=False,
-                                pad_token_id=int(teacher.config.pad_token_id or 0))
-        out.append(seqs[:, :prompt_len + gen_len])
-    return torch.cat(out)
-
-
-def distill_loss(student: PreTrainedModel, teacher: PreTrainedModel, batch: torch.Tensor,
-                 use_bf16: bool) -> torch.Tensor:
-    """KL(teacher || student) of the next-token distributions at every position of a (B, T+1) batch."""
-    inputs = batch[:, :-1]
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
-        target = F.log_softmax(teacher(input_ids=inputs, use_cache=False).logits.float(), dim=-1)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
-        logits = student(input_ids=inputs, use_cache=False).logits
-    return F.kl_div(F.log_softmax(logits.float(), dim=-1).flatten(0, 1), target.flatten(0, 1), log_target=True,
-                    reduction="batchmean")
-
-
-@torch.no_grad()
-def greedy_agreement(student: PreTrainedModel, data: torch.Tensor, prompt_len: int) -> float:
-    """Share of teacher-generated positions where the student's argmax is the teacher's next token: the
-    acceptance rate of greedy speculative decoding with this draft, one token at a time."""
-    student.eval()
-    hits = total = 0
-    for i in range(0, len(data), 8):
-        seqs = data[i:i + 8]
-        pred = student(input_ids=seqs[:, :-1], use_cache=False).logits.argmax(-1)[:, prompt_len - 1:]
-        hits += int((pred == seqs[:, prompt_len:]).sum())
-        total += pred.numel()
-    student.train()
-    return hits / max(1, total)
-
-
-def distill_model(
-    out_dir: str | Path,
-    teacher_dir: str | Path,
-    shape: TrainShape,
-    train: TrainConfig = TrainConfig(),
-    *,
-    arch: str = "llama",
-    role: str = "draft",
-    cache_dir: Path | None = None,
-    corpus: Corpus | None = None,
-    num_sequences: int = 1024,
-    prompt_len: int = 128,
-) -> TrainResult:
-    """Train a draft for the model in `teacher_dir` by distillation and write its HF folder.
-
-    The draft learns the teacher's whole next-token distribution (KL) on two
-    kinds of text, half a batch each: corpus windows, and `num_sequences`
-    corpus prompts continued greedily by the teacher, which is the text a
-    draft predicts when it drafts. `training.json` records the draft's greedy
-    agreement with the teacher on continuations of held-out prompts.
-    """
-    from transformers import AutoModelForCausalLM
-
-    tok_path, cfg, corpus, use_bf16 = _setup(shape, train, arch, cache_dir, corpus)
-    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    gen = torch.Generator().manual_seed(train.seed)
-    gen_len = train.seq_len + 1 - prompt_len
-    if gen_len < 1:
-        raise ValueError(f"prompt_len {prompt_len} leaves nothing to generate in seq_len {train.seq_len}")
-    t0 = time.perf_counter()
-    data = teacher_continuations(teacher, corpus.train_ids, num_sequences, prompt_len, gen_len, gen)
-    held_out = teacher_continuations(teacher, corpus.eval_ids, 64, prompt_len, gen_len, gen)
-    generate_s = time.perf_counter() - t0
-    windows = eval_windows(corpus.eval_ids, train.seq_len, train.num_eval_windows)
-
-    model = build_hf_model(cfg, train.seed)
-    num_params = sum(p.numel() for p in model.parameters())
-    initial_eval = eval_loss(model, windows)
-    half = max(1, train.batch_size // 2)
-
-    def next_loss() -> torch.Tensor:
-        rows = torch.randint(0, len(data), (train.batch_size - half,), generator=gen)
-        batch = torch.cat([sample_batch(corpus.train_ids, half, train.seq_len, gen), data[rows]])
-        return distill_loss(model, teacher, batch, use_bf16)
-
-    losses, stopped_by, train_s = _fit(model, next_loss, train, role)
-    record = _record(role, arch, shape, num_params, train, use_bf16, losses, stopped_by, corpus, windows,
-                     initial_eval, model, train_s)
-    record |= {
-        "distilled": True,
-        "teacher": str(teacher_dir),
-        "distill": {"num_sequences": num_sequences, "prompt_len": prompt_len, "gen_len": gen_len,
-                    "generate_s": round(generate_s, 2),
-                    "greedy_agreement_held_out": greedy_agreement(model, held_out, prompt_len)},
-    }
-    path = write_model_folder(out_dir, cfg, lambda: _hf_weights(model, arch, cfg), tok_path,
-                              {"training.json": record})
-    return TrainResult(path, record)
+    ids = run.corpus.train_ids
+    run.fit(lambda: batch_loss(run.model, sample_batch(ids, train.batch_size, train.seq_len, gen), run.use_bf16))
+    return run.finish(out_dir, {"distilled": False})
 
 
 def train_pair(
@@ -488,6 +397,8 @@ def train_pair(
     target = train_model(target_dir, target_shape, train, arch=arch, role="target", cache_dir=cache_dir,
                          corpus=corpus)
     if distill:
+        from sessionserve.model.distill import distill_model  # it builds on this module
+
         draft = distill_model(draft_dir, target.path, draft_shape, train, arch=arch, cache_dir=cache_dir,
                               corpus=corpus)
     else:

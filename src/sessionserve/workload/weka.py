@@ -58,7 +58,6 @@ def load_weka(path: str | Path, *, token_scale: float = 1.0, time_scale: float =
                        shared_prefix_tokens)
         if len(steps) < min_steps:
             continue
-        steps[-1] = replace(steps[-1], tool_calls=(), wait_kind="end")
         children = _subagents(sid, rows, steps, token_scale, time_scale, max_context_tokens, min_new_tokens,
                               max_wait_s) if subagents or only_with_subagents else ()
         if only_with_subagents and not children:
@@ -160,11 +159,6 @@ def raw_session(trace: dict) -> _SessionRows:
     return out
 
 
-def raw_rows(trace: dict) -> list[dict[str, str]]:
-    """The parent agent's main-stream calls of one upstream trace file, as `requests.csv`-style rows."""
-    return raw_session(trace).main
-
-
 def _subagents(sid: str, rows: _SessionRows, steps: list[Step], token_scale: float, time_scale: float,
                max_context_tokens: int | None, min_new_tokens: int, max_wait_s: float | None) -> tuple[SubAgent, ...]:
     """The sub-agents started after one of the kept steps but the last, and the parent's waits rewritten: a
@@ -181,7 +175,6 @@ def _subagents(sid: str, rows: _SessionRows, steps: list[Step], token_scale: flo
                            max_wait_s, 0)
         if not sub_steps:
             continue
-        sub_steps[-1] = replace(sub_steps[-1], tool_calls=(), wait_kind="end")
         first_blocks = int(agent.rows[0]["n_blocks"])
         template_blocks = shared[k] or max(shared[k + 1:], default=0)
         if template_blocks:
@@ -243,6 +236,8 @@ def _steps(rows: list[dict[str, str]], token_scale: float, time_scale: float, ma
             wait = min(wait, max_wait_s)
         steps.append(Step(new_scaled, out_scaled, (ToolCall("tool" if kind == "tool" else "user", wait),), kind,
                           blocks, block_tokens, kept))
+    if steps and steps[-1].wait_kind != "end":  # cut by the context limit: nothing follows the last step
+        steps[-1] = replace(steps[-1], tool_calls=(), wait_kind="end")
     return steps
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sessionserve.model import distill as ds
 from sessionserve.model import make_model as mm
 from sessionserve.model import train as tr
 
@@ -130,16 +131,16 @@ def test_distilled_draft_agrees_with_its_target_more(tmp_path: Path, model_cache
     from transformers import AutoModelForCausalLM
 
     target, plain = pair
-    result = tr.distill_model(tmp_path / "d", target.path, TINY_DRAFT, FAST, cache_dir=model_cache,
+    result = ds.distill_model(tmp_path / "d", target.path, TINY_DRAFT, FAST, cache_dir=model_cache,
                               num_sequences=64, prompt_len=32)
     r = json.loads((result.path / "training.json").read_text())
     assert r["distilled"] is True and r["teacher"] == str(target.path) and r["num_steps_done"] == FAST.num_steps
     assert {p.name for p in result.path.iterdir()} == {p.name for p in plain.path.iterdir()}
     corpus = tr.load_corpus(tr.ensure_tokenizer(model_cache), FAST.max_corpus_bytes, FAST.eval_file_stride)
     teacher = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32)
-    held_out = tr.teacher_continuations(teacher, corpus.eval_ids, 32, 32, FAST.seq_len + 1 - 32,
+    held_out = ds.teacher_continuations(teacher, corpus.eval_ids, 32, 32, FAST.seq_len + 1 - 32,
                                         torch.Generator().manual_seed(7))
-    agree = {name: tr.greedy_agreement(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32),
+    agree = {name: ds.greedy_agreement(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32),
                                        held_out, 32)
              for name, path in (("distilled", result.path), ("plain", plain.path))}
     assert agree["distilled"] > agree["plain"], agree
