@@ -316,7 +316,8 @@ def ensure_model(arch: str = "llama", size: str = "small", cache_dir: Path | Non
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``sessionserve make-model [--arch A] [--size S] [--seed N] [--out DIR]``, or with
-    ``--train [--pair] [--train-steps N] [--train-minutes M]`` trained weights (see ``model/train.py``)."""
+    ``--train [--pair] [--train-steps N] [--train-minutes M]`` trained weights (see ``model/train.py``; for
+    ``--distill`` and ``--distill-from``, ``model/distill.py``)."""
     parser = argparse.ArgumentParser(prog="sessionserve make-model", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=ARCHS, default="llama")
     parser.add_argument("--size", choices=SIZES, default=None, help="random-weight size (default small)")
