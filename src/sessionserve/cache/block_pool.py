@@ -41,6 +41,7 @@ class BlockPool:
         self.num_hit_tokens = 0
         self.num_evicted_blocks = 0
         self.num_shared_blocks = 0  # blocks with more than one reference (prefix hits, forks)
+        self.num_sharing_changes = 0  # times a block became shared or stopped being shared
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,6 +91,7 @@ class BlockPool:
             self.ref_counts[block] = count
             if count == 1:
                 self.num_shared_blocks -= 1
+                self.num_sharing_changes += 1
             elif count == 0:
                 if self._hash_of[block] is not None:
                     self._evictable[block] = None
@@ -104,6 +106,7 @@ class BlockPool:
                 self._evictable.pop(block, None)
             elif count == 1:
                 self.num_shared_blocks += 1
+                self.num_sharing_changes += 1
             self.ref_counts[block] = count + 1
 
     def lookup(self, block_hash: bytes) -> int | None:

@@ -153,12 +153,17 @@ class KVCacheManager:
     def num_blocks_of(self, key: str) -> int:
         return len(self.block_tables.get(key, ()))
 
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks (cached ones stay reusable) and forget it."""
+    def free(self, request_id: str, keep_hashes: bool = False) -> None:
+        """Release the request's blocks (cached ones stay reusable) and forget it.
+
+        With `keep_hashes` the block hashes of its tokens are kept (a session whose KV moved to another
+        tier): when its blocks come back, committing them needs no rehashing of the whole context.
+        """
         table = self.block_tables.pop(request_id, None)
         if table:
             self.pool.free(table)
-        self._hashes.pop(request_id, None)
+        if not keep_hashes:
+            self._hashes.pop(request_id, None)
         self._num_committed.pop(request_id, None)
 
     def check_integrity(self) -> None:

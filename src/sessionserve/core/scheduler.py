@@ -102,6 +102,9 @@ class Scheduler:
 
     def schedule(self, now_s: float | None = None) -> SchedulerOutput:
         """Plan one step. `now_s` (any clock) drives aging and urgency; None: no aging."""
+        if not self.running and not self.waiting:  # idle: most ticks of a server whose agents wait on tools
+            self.num_wanted_blocks = 0
+            return SchedulerOutput((), 0, (), self.kv.block_tables)
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []

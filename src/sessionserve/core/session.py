@@ -30,6 +30,10 @@ class Tier(Enum):
     HOST = "host"
     DISK = "disk"
 
+    # Members are singletons compared by identity: hash them so too, in C (Enum's own __hash__ is Python
+    # code, and tiers key the movers' per-tier counters, read on every engine step).
+    __hash__ = object.__hash__
+
 
 @dataclass(slots=True)
 class SessionStats:

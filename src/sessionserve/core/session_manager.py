@@ -66,9 +66,16 @@ class SessionManager:
         self._decided: tuple | None = None
         self._decision_due_s: float | None = None
         self._due_view: ResidencyView | None = None  # the view whose next decision time is not asked yet
-        self._expiry_version = -1
-        self._oldest_idle_s: float | None = None  # last activity of the longest-idle session
+        # At most the last activity of the longest-idle session (exact after each expiry scan, lowered as
+        # sessions go idle): sessions are scanned for expiry only once it is older than the TTL.
+        self._oldest_idle_s: float | None = None
+        # The residency view's sessions, kept up to date per session: an entry is rebuilt when its session
+        # changed, all of them when what every entry depends on changed (the wait predictor learned, or
+        # some block's sharing did).
         self._parked: tuple[int, tuple[ParkedSession, ...]] = (-1, ())  # (version, the view's sessions)
+        self._entries: dict[str, ParkedSession] = {}
+        self._changed: set[str] = set()
+        self._entries_epoch: tuple[int, int] = (-1, -1)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -80,7 +87,8 @@ class SessionManager:
             raise ValueError(f"too many open sessions (limit {self.max_sessions})")
         session = Session(session_id, tenant=tenant, priority=priority, opened_s=now_s, last_active_s=now_s)
         self.sessions[session_id] = session
-        self._version += 1
+        self._touch(session_id)
+        self._note_idle(now_s)
         return session
 
     def get(self, session_id: str) -> Session | None:
@@ -95,7 +103,7 @@ class SessionManager:
             raise SessionBusyError(f"session {session.session_id!r} already has a turn running")
         if session.state is SessionState.CLOSED:
             raise ValueError(f"session {session.session_id!r} is closed")
-        self._version += 1
+        self._touch(session.session_id)
         stats = session.stats
         if session.state is SessionState.PARKED and session.parked_s is not None:
             wait_s = now_s - session.parked_s
@@ -133,12 +141,13 @@ class SessionManager:
         session = self.sessions.get(seq.session_id or "")
         if session is None or session.request_id != seq.request_id:
             return None
-        self._version += 1
+        self._touch(session.session_id)
         if self._blocked.pop(session.session_id, None) is not None:
             # Aborted while its KV was still coming back: the turn never ran, the session is as it was.
             session.request_id = None
             session.state = SessionState.PARKED
             session.parked_s = session.last_active_s = now_s
+            self._note_idle(now_s)
             return session
         session.stats.num_computed_prompt_tokens += max(0, seq.num_prompt_tokens - (seq.num_cached_tokens or 0))
         dropped = self._dropped_tokens.pop(session.session_id, 0)
@@ -151,6 +160,7 @@ class SessionManager:
         session.state = SessionState.PARKED
         session.parked_s = now_s
         session.last_active_s = now_s
+        self._note_idle(now_s)
         session.waiting_tools, session.wait_hint_s = (), None
         session.residency = Residency.DEVICE if self.kv.num_blocks_of(session.kv_key) else Residency.NONE
         if session.residency is Residency.NONE:
@@ -163,7 +173,7 @@ class SessionManager:
             raise SessionBusyError(f"session {session.session_id!r} has a turn running")
         if num_tokens >= len(session.token_ids):
             return
-        self._version += 1
+        self._touch(session.session_id)
         # The KV first: if it cannot be cut now, the session is left exactly as it was.
         if session.num_computed_tokens > num_tokens:
             if session.residency is Residency.DEVICE:
@@ -185,7 +195,7 @@ class SessionManager:
         session = self.sessions[session_id]
         session.waiting_tools = tuple(tools)
         session.wait_hint_s = wait_hint_s
-        self._version += 1
+        self._touch(session_id)
 
     def fork(self, parent: Session, child_id: str, now_s: float) -> Session:
         """A new session with `parent`'s history (same tenant and class); the parent is untouched.
@@ -205,7 +215,7 @@ class SessionManager:
         session = self.sessions.pop(session_id, None)
         if session is None:
             return False
-        self._version += 1
+        self._touch(session_id)
         session.state = SessionState.CLOSED
         for f in fields(SessionStats):
             setattr(self._closed_stats, f.name, getattr(self._closed_stats, f.name) + getattr(session.stats, f.name))
@@ -230,12 +240,11 @@ class SessionManager:
         """Apply finished moves, expire idle sessions, and carry out the policy's actions."""
         if self.mover is not None:
             for done in self.mover.poll():
-                self._version += 1
+                self._touch(done.session_id)
                 self._on_move_done(done, now_s)
         for sid in list(self._pending_restore):
             self._start_restore(self.sessions[sid])
-        if self._expiry_version != self._version or (self._oldest_idle_s is not None
-                                                     and now_s - self._oldest_idle_s > self.idle_ttl_s):
+        if self._oldest_idle_s is not None and now_s - self._oldest_idle_s > self.idle_ttl_s:
             self._expire(now_s)
         inputs = self._policy_inputs(num_wanted_blocks)
         if inputs == self._decided:
@@ -251,6 +260,11 @@ class SessionManager:
         for action in actions:
             self._apply(action, now_s)
 
+    def _touch(self, session_id: str) -> None:
+        """Note that a session changed: the policy looks again, at a rebuilt entry for it."""
+        self._version += 1
+        self._changed.add(session_id)
+
     def _decision_due(self) -> float | None:
         if self._due_view is not None:
             self._decision_due_s, self._due_view = self.policy.next_decision_s(self._due_view), None
@@ -261,7 +275,7 @@ class SessionManager:
         or ending): a residency decision coming due or a session expiring. `now_s` if the next tick must
         look anyway (inputs changed since the policy last ran, or restores wait for room); None if only
         an event can change anything."""
-        if self._pending_restore or self._expiry_version != self._version \
+        if self._pending_restore \
                 or self._decided != self._policy_inputs(num_wanted_blocks):
             return now_s
         expiry = None if self._oldest_idle_s is None else self._oldest_idle_s + self.idle_ttl_s
@@ -273,24 +287,40 @@ class SessionManager:
         return (self._version, self.kv.num_free_blocks, num_wanted_blocks, self.costs,
                 mover.num_free_blocks(Tier.HOST) if mover else 0, mover.num_free_blocks(Tier.DISK) if mover else 0)
 
+    def _note_idle(self, now_s: float) -> None:
+        if self._oldest_idle_s is None or now_s < self._oldest_idle_s:
+            self._oldest_idle_s = now_s
+
     def _expire(self, now_s: float) -> None:
         """Close sessions idle past the TTL; note when the next one would expire."""
         idle = [s for s in self.sessions.values() if s.state is not SessionState.RUNNING]
         for session in [s for s in idle if now_s - s.last_active_s > self.idle_ttl_s]:
             self.close(session.session_id)
             self.num_expired += 1
-        self._expiry_version = self._version
         left = [s.last_active_s for s in idle if s.session_id in self.sessions]
         self._oldest_idle_s = min(left) if left else None  # (the TTL may change: kept apart)
 
     def view(self, now_s: float, num_wanted_blocks: int) -> ResidencyView:
+        epoch = (self.predictor.num_observed, self.kv.pool.num_sharing_changes)
+        if epoch != self._entries_epoch:
+            self._entries_epoch = epoch
+            self._entries.clear()
+            self._changed.update(self.sessions)
+            self._parked = (-1, ())
         if self._parked[0] != self._version:  # the sessions changed since the last view
-            self._parked = (self._version, tuple(
-                ParkedSession(s.session_id, s.residency, self._num_blocks(s), s.num_computed_tokens,
-                              s.parked_s if s.parked_s is not None else now_s,
-                              self.predictor.predict(s.waiting_tools, s.wait_hint_s), self._num_shared_blocks(s))
-                for s in self.sessions.values()
-                if s.state is SessionState.PARKED and s.residency is not Residency.NONE))
+            entries = self._entries
+            for sid in self._changed:
+                s = self.sessions.get(sid)
+                if s is not None and s.state is SessionState.PARKED and s.residency is not Residency.NONE:
+                    entries[sid] = ParkedSession(
+                        sid, s.residency, self._num_blocks(s), s.num_computed_tokens,
+                        s.parked_s if s.parked_s is not None else now_s,
+                        self.predictor.predict(s.waiting_tools, s.wait_hint_s), self._num_shared_blocks(s))
+                else:
+                    entries.pop(sid, None)
+            self._changed.clear()
+            # In the sessions' order, as a scan of them would give: ties in the policies' orders stay put.
+            self._parked = (self._version, tuple(entries[sid] for sid in self.sessions if sid in entries))
         parked = self._parked[1]
         wanted = num_wanted_blocks + sum(self._num_blocks(self.sessions[sid]) for sid in self._pending_restore)
         mover = self.mover
@@ -360,7 +390,7 @@ class SessionManager:
             self._pending_restore[session.session_id] = None  # retried each tick; the policy sees the demand
             return
         self._pending_restore.pop(session.session_id, None)
-        self._version += 1
+        self._touch(session.session_id)
         session.residency = Residency.RESTORING
         self.mover.restore(session.session_id, self.kv.block_tables[session.kv_key][:n])
 
@@ -378,7 +408,7 @@ class SessionManager:
         session = self.sessions.get(action.session_id)
         if session is None or session.state is not SessionState.PARKED:
             return
-        self._version += 1
+        self._touch(session.session_id)
         if action.kind is ActionKind.DROP and session.residency in (Residency.DEVICE, Residency.HOST, Residency.DISK):
             self.kv.commit_full_blocks(session.kv_key, session.token_ids, session.num_computed_tokens)
             self.kv.free(session.kv_key)  # full blocks stay in the prefix cache until evicted
@@ -408,7 +438,7 @@ class SessionManager:
                 return  # resumed meanwhile: the copy was discarded, device blocks kept
             if done.ok:
                 self.kv.commit_full_blocks(session.kv_key, session.token_ids, session.num_computed_tokens)
-                self.kv.free(session.kv_key)
+                self.kv.free(session.kv_key, keep_hashes=True)  # committed again, unchanged, on restore
                 session.residency = Residency.HOST if done.tier is Tier.HOST else Residency.DISK
                 session.stats.num_offloaded_bytes += done.num_bytes
             else:

@@ -58,11 +58,13 @@ class WaitPredictor:
         # NOTE: predict() runs for every parked session on every engine tick; its answer changes only when
         # a wait is observed, so it is memoized per (tools, hint) until the next observation.
         self._memo: dict[tuple[tuple[str, ...], float | None], WaitPrediction] = {}
+        self.num_observed = 0  # predictions can change only when this does
 
     def observe(self, tools: tuple[str, ...], wait_s: float) -> None:
         """Record that a park after calling `tools` lasted `wait_s`."""
         wait_s = max(0.0, float(wait_s))
         self._memo.clear()
+        self.num_observed += 1
         for tool in tools or ("",):
             self._by_tool.setdefault(tool, _Window(self.window)).add(wait_s)
         self._all.add(wait_s)

@@ -124,7 +124,7 @@ class SimReplay:
                 progress_s = self.clock()
             if self.clock() == before and not self._has_ready_work() and self.clock() - progress_s > STALL_S:
                 raise SimStalled(self._stall_message())
-            if self.clock() == before and not self._has_ready_work():
+            if self.clock() == before and not self._has_ready_work() and (self._events or eng.has_unfinished()):
                 self.clock.advance_to(self._next_time())
         self._sample_kv(force=True)
         makespan = self.clock() - t0

@@ -62,3 +62,29 @@ def test_prefix_caching_off() -> None:
     kv.allocate("a", 8)
     kv.commit_full_blocks("a", list(range(8)), 8)
     assert kv.find_cached_prefix("b", list(range(8))).num_tokens == 0
+
+
+def test_blocks_freed_with_their_hashes_kept_are_committed_again_without_rehashing(monkeypatch) -> None:
+    """A session's KV leaves the device for another tier and comes back: its tokens have not changed, so
+    the block hashes computed before serve again (a long context would otherwise be rehashed per restore)."""
+    import sessionserve.cache.block_hash as block_hash
+
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = list(range(100, 118))  # 4 full blocks and a partial one
+    kv.allocate("session:a", len(tokens))
+    kv.commit_full_blocks("session:a", tokens, len(tokens))
+    before = [kv.pool.lookup(h) for h in kv._hashes["session:a"]]
+    kv.free("session:a", keep_hashes=True)
+    calls = []
+    real = block_hash.hash_block
+    monkeypatch.setattr(block_hash, "hash_block", lambda *a: calls.append(a) or real(*a))
+    kv.pool.reset_prefix_cache()  # evicted meanwhile: the restore must register the blocks again
+    assert all(kv.pool.lookup(h) is None for h in kv._hashes["session:a"])
+    kv.allocate("session:a", len(tokens))
+    kv.commit_full_blocks("session:a", tokens, len(tokens))
+    assert calls == []
+    assert [kv.pool.lookup(h) for h in kv._hashes["session:a"]] == kv.block_tables["session:a"][:4]
+    assert len(before) == 4
+    kv.free("session:a")  # the default forgets them
+    assert "session:a" not in kv._hashes
+    kv.check_integrity()
