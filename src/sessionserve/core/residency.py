@@ -21,9 +21,10 @@ them out through the mover. One interface, chosen by name:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from enum import Enum
+from functools import lru_cache
 from typing import NamedTuple, Protocol
 
 from sessionserve.core.session import Residency, Tier
@@ -99,25 +100,48 @@ def _first_after(now_s: float, times: list[float]) -> float | None:
     return min(later) if later else None
 
 
-def _next_flip(s: ParkedSession, now_s: float, threshold_s: float,
-               remaining: Callable[[ParkedSession, float], float]) -> float | None:
-    """When `remaining(s, t) > threshold_s` next changes truth value after `now_s` (None: never).
+def _remaining_after(p50_s: float, p90_s: float, waited_s: float) -> float:
+    """Expected time until resume after waiting `waited_s`, for a wait predicted at (p50, p90)."""
+    if waited_s < p50_s:
+        return p50_s - waited_s
+    if waited_s < p90_s:
+        return p90_s - waited_s
+    return waited_s  # past the 90th percentile of a heavy tail: expect about as long again
 
-    PredictivePolicy.remaining_s is piecewise linear in the time waited: it falls from p50 to 0 over
-    [0, p50), from p90 - p50 over [p50, p90), then grows as the wait itself; so the comparison can
-    only change at a segment boundary or where a segment meets the threshold.
+
+@lru_cache(maxsize=1 << 14)
+def _above_pieces(p50_s: float, p90_s: float, threshold_s: float) -> tuple[tuple[float, bool], ...]:
+    """(start, is the expected remaining wait above `threshold_s` from there) for each piece of the
+    waited-time axis, the first from -inf.
+
+    `_remaining_after` is piecewise linear in the time waited: it falls from p50 to 0 over [0, p50),
+    from p90 - p50 over [p50, p90), then grows as the wait itself; so the comparison can only change
+    at a piece's end or where a piece meets the threshold. Sessions share predictions and sizes, so
+    the table is computed once per (p50, p90, threshold).
     """
-    p = s.predicted
-    waits = sorted(w for w in (p.p50_s - threshold_s, p.p50_s, p.p90_s - threshold_s, p.p90_s, threshold_s)
-                   if s.parked_s + w > now_s)
-    above = remaining(s, now_s) > threshold_s
-    times = [s.parked_s + w for w in waits]
-    for t, t_next in zip(times, [*times[1:], times[-1] + 2.0] if times else []):
-        # The comparison is constant between two boundaries: test it in the middle (rounding at the
-        # boundary itself could hide the change and make the answer late).
-        if (remaining(s, (t + t_next) / 2 if t_next > t else t + 1e-6) > threshold_s) != above:
-            return t
-    return None
+    starts = sorted({w for w in (p50_s - threshold_s, p50_s, p90_s - threshold_s, p90_s, threshold_s)})
+    # The comparison is constant inside a piece: test it in the middle (at the boundary itself rounding
+    # could give the piece before).
+    out = [(-math.inf, _remaining_after(p50_s, p90_s, starts[0] - 1.0) > threshold_s)]
+    for w, w_next in zip(starts, [*starts[1:], starts[-1] + 2.0]):
+        out.append((w, _remaining_after(p50_s, p90_s, (w + w_next) / 2) > threshold_s))
+    return tuple(out)
+
+
+def _above_until(s: ParkedSession, now_s: float, threshold_s: float) -> tuple[bool, float | None]:
+    """Whether PredictivePolicy's expected remaining wait is above `threshold_s` at `now_s`, and when
+    that next changes (None: never). Read off the pieces, boundaries included: a decision asked for
+    at the returned time sees the new value."""
+    pieces = _above_pieces(s.predicted.p50_s, s.predicted.p90_s, threshold_s)
+    parked_s = s.parked_s
+    k = 0
+    while k + 1 < len(pieces) and parked_s + pieces[k + 1][0] <= now_s:
+        k += 1
+    above = pieces[k][1]
+    for w, after in pieces[k + 1:]:
+        if after != above:
+            return above, parked_s + w
+    return above, None
 
 
 def _pressure(view: ResidencyView) -> int:
@@ -252,16 +276,14 @@ class PredictivePolicy:
     # moving it out and back would cost more than holding it.
     keep_round_trips: float = 4.0
     keep_floor_s: float = 0.25
+    # session id -> (its view entry, costs, above its threshold, until when, since when); and the last
+    # view with its states: see `_states`.
+    _memo: dict[object, tuple] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def remaining_s(self, s: ParkedSession, now_s: float) -> float:
         """Expected time until resume, given how long it has already waited."""
-        waited = now_s - s.parked_s
-        p = s.predicted
-        if waited < p.p50_s:
-            return p.p50_s - waited
-        if waited < p.p90_s:
-            return p.p90_s - waited
-        return waited  # past the 90th percentile of a heavy tail: expect about as long again
+        return _remaining_after(s.predicted.p50_s, s.predicted.p90_s, now_s - s.parked_s)
 
     def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
         c, now = view.costs, view.now_s
@@ -275,13 +297,22 @@ class PredictivePolicy:
         # recompute costs more than the move); short ones only while memory is short.
         # Sessions all of whose blocks others read (a fork's running children) go last and only under
         # pressure: moving one frees nothing on its own.
-        farthest_first = sorted(_on_device(view), key=lambda s: (s.num_freed_blocks <= 0, -self.remaining_s(s, now)))
-        for s in farthest_first:
+        # Without pressure only long waits act: the others are passed over before any sorting (most of
+        # the parked sessions, most of the time).
+        candidates, due = [], []
+        for i, (s, (above, _)) in enumerate(zip(view.parked, self._states(view))):
+            res = s.residency
+            if res is Residency.DEVICE:
+                if need > 0 or (s.num_freed_blocks > 0 and above):
+                    candidates.append((s.num_freed_blocks <= 0, -self.remaining_s(s, now), i, s))
+            elif (res is Residency.HOST or res is Residency.DISK) and not above:
+                due.append((self.remaining_s(s, now), i, s))
+        for _, neg_remaining, i, s in sorted(candidates):
             if s.num_freed_blocks <= 0 and need <= 0:
                 continue
-            remaining = self.remaining_s(s, now)
+            remaining = -neg_remaining
             host_rt = 2 * c.host_s_per_block * s.num_blocks
-            is_long = remaining > self.keep_threshold_s(s, c)
+            is_long = self._states(view)[i][0]
             if need <= 0 and not is_long:
                 continue  # (not break: the threshold grows with the session's size)
             if need <= 0:
@@ -306,9 +337,8 @@ class PredictivePolicy:
 
         # Prefetch: soonest predicted resume first, into room above the watermark.
         room = view.num_free_device_blocks - reserve - _pressure(view)
-        off_device = [s for s in view.parked if s.residency in (Residency.HOST, Residency.DISK)]
-        for s in sorted(off_device, key=lambda s: self.remaining_s(s, now)):
-            if self.remaining_s(s, now) > self.lead_s(s, c) or s.num_blocks > room:
+        for _, _, s in sorted(due):
+            if s.num_blocks > room:
                 continue
             actions.append(ResidencyAction(ActionKind.PREFETCH, s.session_id))
             room -= s.num_blocks
@@ -328,18 +358,43 @@ class PredictivePolicy:
             return view.now_s
         # With no action now, every long device session lacks host room and every due one lacks device
         # room, each on its own: until some session crosses its threshold, that stays so in any order.
-        times: list[float] = []
-        for s in view.parked:
-            if s.residency is Residency.DEVICE:
-                t = _next_flip(s, view.now_s, self.keep_threshold_s(s, view.costs), self.remaining_s)
-            elif s.residency in (Residency.HOST, Residency.DISK):
-                t = _next_flip(s, view.now_s, self.lead_s(s, view.costs), self.remaining_s)
-            else:
-                continue
-            if t is not None:
-                times.append(t)
-        return min(times) if times else None
+        flips = [t for _, t in self._states(view) if t is not None]
+        return min(flips) if flips else None
 
+    def _states(self, view: ResidencyView) -> list[tuple[bool, float | None]]:
+        """Per parked session of the view: whether its expected remaining wait is above its threshold
+        now (on device: long enough to leave; off device: not yet due for its prefetch), and when that
+        next changes by the clock alone (None: never; moving sessions: (False, None)).
+
+        Memoized per session, on the view's entry (a changed session gets a new one) and the costs, from
+        the time asked until that time (views may come older than the last one: a next decision time is
+        asked lazily, on the view just decided on, whose answer is kept too)."""
+        last = self._memo.get(_LAST_VIEW)
+        if last is not None and last[0] is view:
+            return last[1]
+        memo, now, c = self._memo, view.now_s, view.costs
+        out: list[tuple[bool, float | None]] = []
+        for s in view.parked:
+            res = s.residency
+            if res is not Residency.DEVICE and res is not Residency.HOST and res is not Residency.DISK:
+                out.append((False, None))
+                continue
+            hit = memo.get(s.session_id)
+            if hit is not None and (hit[0] is s or hit[0] == s) and hit[4] <= now and (hit[3] is None or now < hit[3]) \
+                    and hit[1] == c:
+                out.append((hit[2], hit[3]))
+                continue
+            threshold = self.keep_threshold_s(s, c) if res is Residency.DEVICE else self.lead_s(s, c)
+            above, flip = _above_until(s, now, threshold)
+            memo[s.session_id] = (s, c, above, flip, now)
+            out.append((above, flip))
+        if len(memo) > 2 * len(view.parked) + 1024:
+            memo.clear()  # entries of sessions gone from the view; rebuilt as needed
+        memo[_LAST_VIEW] = (view, out)
+        return out
+
+
+_LAST_VIEW = object()  # PredictivePolicy._memo's key of the last view asked about
 
 POLICIES: dict[str, type] = {
     "discard": DiscardPolicy,

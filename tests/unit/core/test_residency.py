@@ -179,3 +179,39 @@ def test_decision_holds_until_next_decision_time(name: str, v: ResidencyView, fr
         if due is not None and later.now_s >= due:  # rounded up onto the due time itself
             continue
         assert policy.decide(later) == (), (name, later.now_s, due)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(v=_views(), steps=st.lists(st.tuples(st.floats(0.0, 20.0), st.integers(0, 7), st.booleans()),
+                                  min_size=1, max_size=8))
+def test_predictive_remembers_nothing_that_changes_an_answer(v: ResidencyView, steps) -> None:
+    """The predictive policy memoizes per session; over a run of views (time moving, sessions changing,
+    the last view asked again, as the engine asks lazily) it answers as a fresh policy would."""
+    kept = make_policy("predictive")
+    views = [v]
+    for dt, k, replace in steps:
+        last = views[-1]
+        parked_now = list(last.parked)
+        if replace and k < len(parked_now):  # the session changed: a new entry (e.g. it parked again)
+            s = parked_now[k]
+            parked_now[k] = s._replace(parked_s=last.now_s + dt / 2, num_blocks=s.num_blocks + 1)
+        views.append(last._replace(now_s=last.now_s + dt, parked=tuple(parked_now)))
+    for i, w in enumerate(views):
+        for asked in (w, views[max(0, i - 1)]):  # and an older view after a newer one
+            fresh = make_policy("predictive")
+            assert kept.decide(asked) == fresh.decide(asked)
+            assert kept.next_decision_s(asked) == fresh.next_decision_s(asked)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(parked_s=st.floats(0.0, 100.0), p50=st.floats(0.5, 50.0), waited=st.floats(0.0, 1.0, exclude_max=True))
+def test_predictive_prefetches_at_the_time_it_gave(parked_s: float, p50: float, waited: float) -> None:
+    """Woken at its own next decision time, the policy sees the change: a prefetch due then starts then,
+    whatever the rounding of the time (the engine of a simulator wakes at exactly that float)."""
+    s = ParkedSession("s", Residency.HOST, 10, 160, parked_s, WaitPrediction(p50 / 4, p50, p50 * 4, 10))
+    policy = make_policy("predictive")
+    v = view([s], now=parked_s + waited * (p50 / 2), free=80, total=100)
+    assert policy.decide(v) == ()
+    due = policy.next_decision_s(v)
+    assert due is not None and due > v.now_s
+    assert kinds(policy.decide(v._replace(now_s=due))) == {"s": ActionKind.PREFETCH}
