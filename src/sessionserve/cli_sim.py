@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -179,6 +180,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-sim-users", type=int, default=64, help="most agents per replica considered (the replica "
                    "ladder starts at users / this)")
+    parser.add_argument("--jobs", type=int, default=None, help="worker processes for the independent (policy, "
+                        "host tier) ladders (default: one per core)")
     parser.add_argument("--out", default=None, help="folder for plan.md, plan.json and the plots")
 
 
@@ -203,7 +206,7 @@ def run_plan(args: argparse.Namespace) -> Path:
         max_num_batched_tokens=args.max_num_batched_tokens, sessions_per_user=args.sessions_per_user,
         host_gib_cost=args.host_gib_cost, max_sim_users=args.max_sim_users, seed=args.seed)
     t0 = time.monotonic()
-    result = plan(trace, profile, question)
+    result = plan(trace, profile, question, jobs=args.jobs or os.cpu_count() or 1)
     out = Path(args.out or Path("bench") / "out" / f"plan-{trace.name}-{args.users}-{time.strftime('%Y%m%d-%H%M%S')}")
     meta = {"command": shlex.join(["sessionserve", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "wall_s": round(time.monotonic() - t0, 1)}

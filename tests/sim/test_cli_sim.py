@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -60,3 +63,27 @@ def test_plan_answers_with_a_table_and_plots(tmp_path: Path, capsys: pytest.Capt
     text = capsys.readouterr().out
     assert "Answer:" in text and "DERIVED" in text
     assert (out / "plan_goodput.png").stat().st_size > 1000 and (out / "plan_cost.png").stat().st_size > 1000
+
+
+def test_the_simulator_and_planner_do_not_load_torch() -> None:
+    """Planning runs thousands of simulated replicas, often in worker processes: importing the engine's
+    torch (~1 s each) is not part of it."""
+    code = ("import sys, sessionserve.sim.planner, sessionserve.sim.driver, sessionserve.workload.loader; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    out = subprocess.run([sys.executable, "-c", "import sessionserve; print(sessionserve.SamplingParams.__name__)"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "SamplingParams"
+
+
+def test_plan_in_worker_processes_answers_as_one_process() -> None:
+    from sessionserve.sim.planner import PlanQuestion, plan
+
+    trace = agent_trace(8, 4, wait_s=2.0)
+    q = PlanQuestion(users=100, slo_step_p99_s=1.0, policies=("discard", "predictive"), host_gib=(64.0,),
+                     max_sim_users=40, min_sessions=8)
+    profile = load_profile("h100-llama3-8b")
+    one, two = plan(trace, profile, q, jobs=1), plan(trace, profile, q, jobs=2)
+    assert len(one.candidates) >= 2
+    assert [replace(c, sim_wall_s=0.0) for c in one.candidates] == [replace(c, sim_wall_s=0.0) for c in two.candidates]

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import random
 import zlib
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -159,19 +161,32 @@ class PlanResult:
         return min(ok, key=lambda c: (c.cost_per_hour, c.step_p99_s or 0.0)) if ok else None
 
 
-def plan(trace: TraceSet, profile: CostProfile, q: PlanQuestion) -> PlanResult:
-    """Every (policy, host tier): climb the replica ladder until the SLO is met (or the ladder ends)."""
+def plan(trace: TraceSet, profile: CostProfile, q: PlanQuestion, jobs: int = 1) -> PlanResult:
+    """Every (policy, host tier): climb the replica ladder until the SLO is met (or the ladder ends).
+
+    The ladders are independent: with `jobs` > 1 they are climbed in that many worker processes (the
+    same candidates, in the same order, as one process gives)."""
+    series = [(policy, host_gib) for host_gib in q.host_gib for policy in q.policies
+              # without a host tier the moving policies reduce to keep/drop: skip duplicates
+              if not (host_gib == 0 and policy not in ("discard", "keep", "ttl") and "keep" in q.policies)]
+    if jobs > 1 and len(series) > 1:
+        # fork where there is one: the workers start without importing anything again
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+        with ProcessPoolExecutor(min(jobs, len(series)), mp_context=ctx) as pool:
+            ladders = list(pool.map(_climb, *zip(*[(trace, profile, q, policy, h) for policy, h in series])))
+    else:
+        ladders = [_climb(trace, profile, q, policy, h) for policy, h in series]
+    return PlanResult(q, profile, trace.name, tuple(c for cs in ladders for c in cs))
+
+
+def _climb(trace: TraceSet, profile: CostProfile, q: PlanQuestion, policy: str, host_gib: float) -> list[Candidate]:
     out: list[Candidate] = []
-    for host_gib in q.host_gib:
-        for policy in q.policies:
-            if host_gib == 0 and policy not in ("discard", "keep", "ttl") and "keep" in q.policies:
-                continue  # without a host tier the moving policies reduce to keep/drop: skip duplicates
-            for r in ladder(q):
-                c = probe(trace, profile, q, policy, host_gib, r)
-                out.append(c)
-                if c.meets_slo and q.replicas is None:
-                    break
-    return PlanResult(q, profile, trace.name, tuple(out))
+    for r in ladder(q):
+        c = probe(trace, profile, q, policy, host_gib, r)
+        out.append(c)
+        if c.meets_slo and q.replicas is None:
+            break
+    return out
 
 
 def _f(v: float | None, digits: int = 2) -> str:
