@@ -61,6 +61,9 @@ class SchedulerConfig:
     # "priority": interactive before batch, least attained service per session,
     # aging (core/priority.py). "fcfs": arrival order, as request-level servers do.
     scheduling_policy: str = "priority"
+    # Within a class: "program" = in the order sessions started (an agent's next step before later agents'
+    # first steps), "request" = in the order requests arrived (see core/priority.py).
+    scheduling_order: str = "program"
     # Least attained service per session: tokens per service level; 0 = off (see core/priority.py).
     las_quantum_tokens: int = 0
     aging_s: float = 5.0
@@ -79,7 +82,7 @@ class SchedulerConfig:
 
     def priority_policy(self) -> PriorityPolicy:
         return PriorityPolicy(self.scheduling_policy, self.las_quantum_tokens, self.aging_s,
-                              self.starvation_s, self.preempt_after_s)
+                              self.starvation_s, self.preempt_after_s, self.scheduling_order)
 
 
 @dataclass(frozen=True)

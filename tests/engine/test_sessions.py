@@ -300,6 +300,10 @@ def test_forks_equal_independent_sessions_and_share_blocks(tiny_llama: Path, tmp
     # The residency policies see that moving the parked parent would free none of those blocks.
     (seen,) = [p for p in eng.sessions.view(0.0, 0).parked if p.session_id == parent]
     assert seen.num_shared_blocks == len(shared) and seen.num_freed_blocks == seen.num_blocks - len(shared)
+    # A session's program starts at its first turn and keeps that place in line; forks are part of it.
+    start = eng.get_session(parent).program.start_s
+    assert start is not None and start < eng.core.requests[rid_a].arrival_s
+    assert eng.get_session(child_a).program.start_s == eng.get_session(child_b).program.start_s == start
     done: dict[str, list[int]] = {}
     while len(done) < 2:
         done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})

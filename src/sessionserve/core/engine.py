@@ -84,6 +84,8 @@ class EngineCore:
         if session is not None:
             seq.program = session.program
             seq.service_at_arrival = session.program.service_tokens
+        if seq.program.start_s is None:
+            seq.program.start_s = seq.arrival_s
         self.scheduler.check_fits(seq)
         if session is not None:
             assert self.sessions is not None

@@ -6,14 +6,22 @@ token budget and the free blocks, and which waiting sequence is urgent enough
 to preempt background work.
 
 - Priority classes: `interactive` (rank 0) before `batch` (rank 1).
-- Program-level fairness (after Autellix's PLAS): a *program* is an agent
-  session (all its turns) or a lone request. Within a class, a request whose
-  program had received less service when it arrived (tokens computed for its
-  earlier steps) goes first, so a session with many short calls does not wait
-  behind one long one at every step. Service is bucketed into levels of
-  doubling size (`las_quantum_tokens` x 2^k); within a level, first come
-  first served. A request keeps its place while it runs: demoting it by its
-  own progress would interleave long prefills and hold more KV at once.
+- Programs first come, first served: a *program* is an agent session (all
+  its turns) or a lone request. Within a class, requests go in the order
+  their programs started (`order="program"`), not the order the requests
+  came in: an agent's next step goes ahead of the first steps of agents that
+  arrived after it, and preemption takes the youngest programs' work first.
+  Under load this finishes started work instead of spreading the device over
+  ever more half-done sessions, which then preempt each other and wait for
+  their KV to come back (bench/RESULTS.md, "Multi-call programs under
+  open-loop load"). `order="request"` is the request arrival order.
+- Program-level fairness (after Autellix's PLAS), optional: within a class,
+  a request whose program had received less service when it arrived (tokens
+  computed for its earlier steps) goes first, so a session with many short
+  calls does not wait behind one long one at every step. Service is bucketed
+  into levels of doubling size (`las_quantum_tokens` x 2^k); within a level,
+  the order above. A request keeps its place while it runs: demoting it by
+  its own progress would interleave long prefills and hold more KV at once.
 - Anti-starvation: a sequence that has waited `aging_s` moves up one class;
   one that has waited `starvation_s` drops to the lowest service level. So
   every sequence is eventually first in line.
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 
 PRIORITY_CLASSES = ("interactive", "batch")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_ORDERS = ("program", "request")
 
 
 def priority_rank(name: str) -> int:
@@ -43,6 +52,7 @@ class Program:
     """Service received by one program (a session's turns share one)."""
 
     service_tokens: int = 0
+    start_s: float | None = None  # when its first request arrived: its place in line under program order
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +69,14 @@ class PriorityPolicy:
     starvation_s: float = 30.0
     # An interactive sequence waiting this long for memory or a batch slot preempts batch work.
     preempt_after_s: float = 0.5
+    # Within a class (and service level): "program" start order, or "request" arrival order.
+    order: str = "program"
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}; got {self.policy!r}")
+        if self.order not in SCHEDULING_ORDERS:
+            raise ValueError(f"scheduling order must be one of {', '.join(SCHEDULING_ORDERS)}; got {self.order!r}")
         if self.las_quantum_tokens < 0 or self.aging_s <= 0 or self.starvation_s <= 0 or self.preempt_after_s < 0:
             raise ValueError("las_quantum_tokens >= 0, aging_s > 0, starvation_s > 0, preempt_after_s >= 0")
 
@@ -76,14 +90,17 @@ class PriorityPolicy:
         return max(0, rank - int(waited_s // self.aging_s))
 
     def key(self, rank: int, service_tokens: int, arrival_s: float, now_s: float | None,
-            waiting_since_s: float | None = None) -> tuple[int, int, float]:
-        """Sort key, smaller first: (class after aging, service level, arrival)."""
+            waiting_since_s: float | None = None, program_start_s: float | None = None
+            ) -> tuple[int, int, float]:
+        """Sort key, smaller first: (class after aging, service level, program start or arrival). Aging
+        counts from the request's own arrival (or `waiting_since_s`)."""
         if self.policy == "fcfs":
             return (0, 0, arrival_s)
         since = arrival_s if waiting_since_s is None else waiting_since_s
         waited = 0.0 if now_s is None else max(0.0, now_s - since)
         level = 0 if waited >= self.starvation_s else self.service_level(service_tokens)
-        return (self.effective_rank(rank, waited), level, arrival_s)
+        place = program_start_s if self.order == "program" and program_start_s is not None else arrival_s
+        return (self.effective_rank(rank, waited), level, place)
 
     def is_urgent(self, rank: int, arrival_s: float, now_s: float | None) -> bool:
         """An interactive sequence that has waited long enough to preempt batch work for."""

@@ -98,7 +98,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _key(self, seq: Sequence, now_s: float | None) -> tuple[int, int, float]:
-        return self.policy.key(seq.priority, seq.service_at_arrival, seq.arrival_s, now_s)
+        return self.policy.key(seq.priority, seq.service_at_arrival, seq.arrival_s, now_s,
+                               program_start_s=seq.program.start_s)
 
     def schedule(self, now_s: float | None = None) -> SchedulerOutput:
         """Plan one step. `now_s` (any clock) drives aging and urgency; None: no aging."""

@@ -208,6 +208,7 @@ class SessionManager:
         """
         child = self.open(child_id, now_s, parent.tenant, parent.priority)
         child.token_ids = list(parent.token_ids)
+        child.program.start_s = parent.program.start_s  # part of the parent's task: same place in line
         return child
 
     def close(self, session_id: str) -> bool:

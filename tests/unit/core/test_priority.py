@@ -49,9 +49,36 @@ def test_fcfs_is_arrival_order_only() -> None:
     assert not pol.is_urgent(INTERACTIVE, 0.0, 100.0)
 
 
+def test_program_order_puts_an_older_programs_next_step_first() -> None:
+    """Within a class, requests line up by when their program (session) started, not when they came in."""
+    pol = PriorityPolicy()
+    old_next_step = pol.key(INTERACTIVE, 0, arrival_s=5.0, now_s=6.0, program_start_s=0.0)
+    young_first_step = pol.key(INTERACTIVE, 0, arrival_s=4.0, now_s=6.0, program_start_s=4.0)
+    assert old_next_step < young_first_step
+    by_request = PriorityPolicy(order="request")
+    assert by_request.key(INTERACTIVE, 0, 5.0, 6.0, program_start_s=0.0) > \
+        by_request.key(INTERACTIVE, 0, 4.0, 6.0, program_start_s=4.0)
+    # Classes still come first, and a lone request (no program start) is its own program.
+    assert pol.key(BATCH, 0, 5.0, 6.0, program_start_s=0.0) > young_first_step
+    assert pol.key(INTERACTIVE, 0, 3.0, 6.0) < young_first_step
+
+
+@pytest.mark.parametrize("policy,old_first", [("priority", True), ("fcfs", False)])
+def test_admission_follows_program_start(policy: str, old_first: bool) -> None:
+    sched = create_scheduler(max_num_batched_tokens=12, scheduling_policy=policy)
+    young = create_seq(12, arrival_s=1.0, program=Program(start_s=1.0))
+    old = create_seq(12, arrival_s=2.0, program=Program(start_s=0.0))
+    sched.add(young)
+    sched.add(old)
+    plan, _ = run_step(sched, now_s=2.0)
+    assert [c.seq for c in plan.chunks] == [old if old_first else young]
+
+
 def test_bad_policy_values_raise() -> None:
     with pytest.raises(ValueError):
         PriorityPolicy(policy="lifo")
+    with pytest.raises(ValueError, match="scheduling order"):
+        PriorityPolicy(order="newest")
     with pytest.raises(ValueError):
         PriorityPolicy(aging_s=0)
     with pytest.raises(ValueError):
@@ -146,7 +173,7 @@ def test_no_sequence_starves_and_no_block_leaks(seed: int, policy: str, las: int
     sched = create_scheduler(num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                              scheduling_policy=policy, aging_s=2.0, starvation_s=6.0, preempt_after_s=0.5,
                              las_quantum_tokens=las, prefix=False)
-    programs = [Program() for _ in range(5)]
+    programs = [Program(start_s=None if i == 0 else rng.uniform(0.0, 3.0)) for i in range(5)]
     seqs, now, step = [], 0.0, 0
     while step < 3000 and (len(seqs) < 60 or sched.num_unfinished):
         if len(seqs) < 60 and rng.random() < 0.3:
