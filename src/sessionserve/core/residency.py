@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from sessionserve.core.session import Residency, Tier
 from sessionserve.core.wait_predictor import WaitPrediction
@@ -142,6 +142,17 @@ def _above_until(s: ParkedSession, now_s: float, threshold_s: float) -> tuple[bo
         if after != above:
             return above, parked_s + w
     return above, None
+
+
+class _Memo(NamedTuple):
+    """A session's state as PredictivePolicy last computed it: valid for the same entry and costs, from
+    `since_s` until `until_s`."""
+
+    entry: ParkedSession
+    costs: MoveCosts
+    above: bool
+    until_s: float | None
+    since_s: float
 
 
 def _pressure(view: ResidencyView) -> int:
@@ -276,9 +287,8 @@ class PredictivePolicy:
     # moving it out and back would cost more than holding it.
     keep_round_trips: float = 4.0
     keep_floor_s: float = 0.25
-    # session id -> (its view entry, costs, above its threshold, until when, since when); and the last
-    # view with its states: see `_states`.
-    _memo: dict[object, tuple] = field(
+    # Per session id, its last state (see `_states`); under `_LAST_VIEW`, the last view and its states.
+    _memo: dict[object, Any] = field(
         default_factory=dict, init=False, repr=False, compare=False)
 
     def remaining_s(self, s: ParkedSession, now_s: float) -> float:
@@ -380,14 +390,14 @@ class PredictivePolicy:
                 out.append((False, None))
                 continue
             hit = memo.get(s.session_id)
-            if hit is not None and (hit[0] is s or hit[0] == s) and hit[4] <= now and (hit[3] is None or now < hit[3]) \
-                    and hit[1] == c:
-                out.append((hit[2], hit[3]))
+            if hit is not None and (hit.entry is s or hit.entry == s) and hit.since_s <= now \
+                    and (hit.until_s is None or now < hit.until_s) and hit.costs == c:
+                out.append((hit.above, hit.until_s))
                 continue
             threshold = self.keep_threshold_s(s, c) if res is Residency.DEVICE else self.lead_s(s, c)
-            above, flip = _above_until(s, now, threshold)
-            memo[s.session_id] = (s, c, above, flip, now)
-            out.append((above, flip))
+            above, until_s = _above_until(s, now, threshold)
+            memo[s.session_id] = _Memo(s, c, above, until_s, now)
+            out.append((above, until_s))
         if len(memo) > 2 * len(view.parked) + 1024:
             memo.clear()  # entries of sessions gone from the view; rebuilt as needed
         memo[_LAST_VIEW] = (view, out)
