@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from sessionserve.config import Config
 from sessionserve.workload.loader import load_trace
 from sessionserve.workload.metrics import LoadPoint, goodput_at_slo, percentile, summarize
-from sessionserve.workload.replay import LoadSpec, ReplayResult
+from sessionserve.workload.replay import LoadSpec, ReplayResult, pool_results
 
 
 def metrics(result: ReplayResult, preemptions: int) -> dict[str, Any]:
@@ -84,21 +84,13 @@ def run_sim(policy: str, rate: float, trace: Any, engine_kwargs: dict[str, Any],
     from sessionserve.sim.engine import SimEngine
     from sessionserve.sim.planner import replica_sessions
 
-    pooled: ReplayResult | None = None
-    preemptions = 0
+    results, preemptions = [], 0
     for r in range(a.replicas):
         picks = trace.sessions if a.replicas == 1 else replica_sessions(trace, a.sessions, a.seed + r)
         eng = SimEngine(Config.from_kwargs(scheduling_policy=policy, **engine_kwargs), profile)
-        result = simulate(eng, picks, LoadSpec("open", rate_per_s=rate), seed=a.seed + r)
+        results.append(simulate(eng, picks, LoadSpec("open", rate_per_s=rate), seed=a.seed + r))
         preemptions += eng.core.scheduler.num_preemptions
-        pooled = result if pooled is None else ReplayResult(
-            pooled.load, pooled.sessions + result.sessions, pooled.steps + result.steps, [],
-            max(pooled.makespan_s, result.makespan_s), None, None)
-    assert pooled is not None
-    out = metrics(pooled, preemptions)
-    if a.replicas > 1:  # programs/hour of the fleet: each replica ran its own share in parallel
-        out["programs_per_hour"] = out["programs_done"] / pooled.makespan_s * 3600 if pooled.makespan_s else None
-    return out
+    return metrics(pool_results(results), preemptions)
 
 
 def markdown(rows: list[dict[str, Any]], slos: list[float], settings: dict[str, Any]) -> str:

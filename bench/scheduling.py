@@ -42,7 +42,7 @@ from sessionserve.model.make_model import ensure_model
 from sessionserve.workload.inproc import InprocBackend
 from sessionserve.workload.loader import load_trace
 from sessionserve.workload.metrics import percentile
-from sessionserve.workload.replay import LoadSpec, ReplayResult, replay
+from sessionserve.workload.replay import LoadSpec, ReplayResult, pool_results, replay
 from sessionserve.workload.sweep import record_engine_checks, warm_up
 from sessionserve.workload.trace import with_batch_fraction
 
@@ -73,21 +73,14 @@ def simulate_fleet(policy: str, trace: Any, profile: Any, engine_kwargs: dict[st
     from sessionserve.sim.engine import SimEngine
     from sessionserve.sim.planner import replica_sessions
 
-    pooled: ReplayResult | None = None
-    preemptions = 0
+    results, preemptions = [], 0
     for r in range(a.replicas):
         picks = trace.sessions if a.replicas == 1 else replica_sessions(trace, a.sessions, a.seed + r)
         sessions = with_batch_fraction(tuple(picks), a.batch_fraction, a.seed + r)
         eng = SimEngine(Config.from_kwargs(scheduling_policy=policy, **engine_kwargs), profile)
-        result = simulate(eng, sessions, LoadSpec("closed", a.concurrency), seed=a.seed + r)
+        results.append(simulate(eng, sessions, LoadSpec("closed", a.concurrency), seed=a.seed + r))
         preemptions += eng.core.scheduler.num_priority_preemptions
-        if pooled is None:
-            pooled = result
-        else:  # replicas run side by side: pool steps and sessions, the fleet's makespan is the longest
-            pooled = ReplayResult(pooled.load, pooled.sessions + result.sessions, pooled.steps + result.steps,
-                                  [], max(pooled.makespan_s, result.makespan_s), None, None)
-    assert pooled is not None
-    metrics = class_metrics(pooled)
+    metrics = class_metrics(pool_results(results))
     metrics["priority_preemptions"] = preemptions
     return metrics
 

@@ -72,7 +72,7 @@ def main() -> None:
                                 session_idle_ttl_s=1e9)
     jobs = [(r, min(args.agents, args.sessions - r * args.agents), r == 0 and args.profile_out)
             for r in range(run_replicas)]
-    _WORK.update(trace=trace, config=config, profile=profile, profile_out=args.profile_out)
+    _WORK.update(trace=trace, config=config, profile=profile)
     t_load = time.perf_counter()
     workers = max(1, min(args.jobs or os.cpu_count() or 1, run_replicas))
     if workers == 1:

@@ -287,9 +287,9 @@ class PredictivePolicy:
     # moving it out and back would cost more than holding it.
     keep_round_trips: float = 4.0
     keep_floor_s: float = 0.25
-    # Per session id, its last state (see `_states`); under `_LAST_VIEW`, the last view and its states.
-    _memo: dict[object, Any] = field(
-        default_factory=dict, init=False, repr=False, compare=False)
+    # Per session id, its last state; and the last view asked about with its states (see `_states`).
+    _memo: dict[str, _Memo] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _last: list[Any] = field(default_factory=lambda: [None, None], init=False, repr=False, compare=False)
 
     def remaining_s(self, s: ParkedSession, now_s: float) -> float:
         """Expected time until resume, given how long it has already waited."""
@@ -314,15 +314,14 @@ class PredictivePolicy:
             res = s.residency
             if res is Residency.DEVICE:
                 if need > 0 or (s.num_freed_blocks > 0 and above):
-                    candidates.append((s.num_freed_blocks <= 0, -self.remaining_s(s, now), i, s))
+                    candidates.append((s.num_freed_blocks <= 0, -self.remaining_s(s, now), i, s, above))
             elif (res is Residency.HOST or res is Residency.DISK) and not above:
                 due.append((self.remaining_s(s, now), i, s))
-        for _, neg_remaining, i, s in sorted(candidates):
+        for _, neg_remaining, _, s, is_long in sorted(candidates):
             if s.num_freed_blocks <= 0 and need <= 0:
                 continue
             remaining = -neg_remaining
             host_rt = 2 * c.host_s_per_block * s.num_blocks
-            is_long = self._states(view)[i][0]
             if need <= 0 and not is_long:
                 continue  # (not break: the threshold grows with the session's size)
             if need <= 0:
@@ -379,9 +378,9 @@ class PredictivePolicy:
         Memoized per session, on the view's entry (a changed session gets a new one) and the costs, from
         the time asked until that time (views may come older than the last one: a next decision time is
         asked lazily, on the view just decided on, whose answer is kept too)."""
-        last = self._memo.get(_LAST_VIEW)
-        if last is not None and last[0] is view:
-            return last[1]
+        last_view, last_states = self._last
+        if last_view is view:
+            return last_states
         memo, now, c = self._memo, view.now_s, view.costs
         out: list[tuple[bool, float | None]] = []
         for s in view.parked:
@@ -400,11 +399,9 @@ class PredictivePolicy:
             out.append((above, until_s))
         if len(memo) > 2 * len(view.parked) + 1024:
             memo.clear()  # entries of sessions gone from the view; rebuilt as needed
-        memo[_LAST_VIEW] = (view, out)
+        self._last[:] = [view, out]
         return out
 
-
-_LAST_VIEW = object()  # PredictivePolicy._memo's key of the last view asked about
 
 POLICIES: dict[str, type] = {
     "discard": DiscardPolicy,

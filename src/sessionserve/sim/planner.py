@@ -173,7 +173,8 @@ def plan(trace: TraceSet, profile: CostProfile, q: PlanQuestion, jobs: int = 1) 
         # fork where there is one: the workers start without importing anything again
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
         with ProcessPoolExecutor(min(jobs, len(series)), mp_context=ctx) as pool:
-            ladders = list(pool.map(_climb, *zip(*[(trace, profile, q, policy, h) for policy, h in series])))
+            futures = [pool.submit(_climb, trace, profile, q, policy, h) for policy, h in series]
+            ladders = [f.result() for f in futures]
     else:
         ladders = [_climb(trace, profile, q, policy, h) for policy, h in series]
     return PlanResult(q, profile, trace.name, tuple(c for cs in ladders for c in cs))

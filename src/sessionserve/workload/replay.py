@@ -104,6 +104,17 @@ class ReplayResult:
     subagents: list[SessionRecord] = field(default_factory=list)  # sessions' sub-agents (their steps are in `steps`)
 
 
+def pool_results(results: Sequence[ReplayResult]) -> ReplayResult:
+    """Runs of independent replicas side by side, as one fleet's: sessions and steps pooled, the makespan
+    the longest (so sessions/hour is the fleet's). One run is returned as it is."""
+    first = results[0]
+    if len(results) == 1:
+        return first
+    return ReplayResult(first.load, [s for r in results for s in r.sessions], [x for r in results for x in r.steps],
+                        [], max(r.makespan_s for r in results), None, None,
+                        subagents=[s for r in results for s in r.subagents])
+
+
 def poisson_arrivals(num_sessions: int, rate_per_s: float, seed: int) -> list[float]:
     """Arrival times (s) of a Poisson process at `rate_per_s`, first at 0. Pure in (n, rate, seed)."""
     rng = random.Random(f"arrivals:{seed}")
