@@ -21,11 +21,12 @@ them out through the mover. One interface, chosen by name:
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from sessionserve.core.session import Residency, Tier
 from sessionserve.core.wait_predictor import WaitPrediction
@@ -128,31 +129,39 @@ def _above_pieces(p50_s: float, p90_s: float, threshold_s: float) -> tuple[tuple
     return tuple(out)
 
 
-def _above_until(s: ParkedSession, now_s: float, threshold_s: float) -> tuple[bool, float | None]:
-    """Whether PredictivePolicy's expected remaining wait is above `threshold_s` at `now_s`, and when
-    that next changes (None: never). Read off the pieces, boundaries included: a decision asked for
-    at the returned time sees the new value."""
+def _above_until(s: ParkedSession, now_s: float, threshold_s: float,
+                 acts_when: bool) -> tuple[bool, float | None, float | None]:
+    """Whether PredictivePolicy's expected remaining wait is above `threshold_s` at `now_s`, when that
+    next changes (None: never), and when it next turns to `acts_when` (the value on which the policy
+    acts for this session; None: never). Read off the pieces, boundaries included: a decision asked
+    for at a returned time sees the new value."""
     pieces = _above_pieces(s.predicted.p50_s, s.predicted.p90_s, threshold_s)
     parked_s = s.parked_s
     k = 0
     while k + 1 < len(pieces) and parked_s + pieces[k + 1][0] <= now_s:
         k += 1
     above = pieces[k][1]
+    until_s = acts_s = None
+    prev = above
     for w, after in pieces[k + 1:]:
-        if after != above:
-            return above, parked_s + w
-    return above, None
+        if after != prev:
+            if until_s is None:
+                until_s = parked_s + w
+            if after == acts_when:
+                acts_s = parked_s + w
+                break
+            prev = after
+    return above, until_s, acts_s
 
 
 class _Memo(NamedTuple):
-    """A session's state as PredictivePolicy last computed it: valid for the same entry and costs, from
-    `since_s` until `until_s`."""
+    """A session's state as PredictivePolicy last computed it (see `_PredictiveIndex`): valid for this
+    entry and the costs it was computed with, until `until_s`."""
 
     entry: ParkedSession
-    costs: MoveCosts
     above: bool
     until_s: float | None
-    since_s: float
+    acts_s: float | None  # when the clock alone next makes this session one to act on
 
 
 def _pressure(view: ResidencyView) -> int:
@@ -271,6 +280,100 @@ class LeastWastePolicy:
         return None  # the predicted p50, costs and room: none moves with the clock
 
 
+class _PredictiveIndex:
+    """PredictivePolicy's per-session states, kept up to date from view to view in time proportional to
+    what changed: sessions whose entry is new (told apart by identity: the session manager builds a new
+    entry when a session changes) and sessions whose state the clock flipped since the last view.
+
+    Per session: whether its expected remaining wait is above its threshold (on device: long enough to
+    leave; off device: not yet due for its prefetch), until when that holds, and when the clock alone
+    next makes it one to act on. Sessions to act on without memory pressure (long waits on device, due
+    ones off it) are kept apart, so a view with none costs no walk over the parked sessions.
+    """
+
+    __slots__ = ("memo", "ids", "parked", "now_s", "costs", "long", "due", "flips", "acts", "seq")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.memo: dict[str, _Memo] = {}
+        self.ids: dict[int, str] = {}  # id of each entry in `memo` (held there, so never reused) -> session
+        self.parked: tuple[ParkedSession, ...] | None = None  # the view's sessions as of the last sync
+        self.now_s = -math.inf
+        self.costs: MoveCosts | None = None
+        self.long: set[str] = set()  # on device, frees blocks, above its threshold
+        self.due: set[str] = set()  # off device, below its lead time
+        self.flips: list[tuple[float, int, _Memo]] = []  # (until_s, seq, memo): a state to compute again
+        self.acts: list[tuple[float, int, _Memo]] = []  # (acts_s, seq, memo)
+        self.seq = 0
+
+    def sync(self, policy: PredictivePolicy, view: ResidencyView) -> None:
+        now, parked = view.now_s, view.parked
+        if parked is self.parked and now == self.now_s and view.costs == self.costs:
+            return  # (the view just decided on, asked for its next decision time)
+        if view.costs != self.costs or now < self.now_s:  # thresholds moved, or a view from the past
+            self.reset()
+            self.costs = view.costs
+        if parked is not self.parked:
+            cur = dict(zip(map(id, parked), parked))
+            ids = self.ids
+            for gone in ids.keys() - cur.keys():
+                self._drop(ids.pop(gone))
+            for key in cur.keys() - ids.keys():  # (a session's earlier entry is among the gone)
+                self._add(policy, cur[key], now)
+            self.parked = parked
+        flips, memo = self.flips, self.memo
+        while flips and flips[0][0] <= now:
+            m = heapq.heappop(flips)[2]
+            if memo.get(m.entry.session_id) is m:
+                self._add(policy, m.entry, now)
+        self.now_s = now
+        if len(flips) + len(self.acts) > 4 * len(memo) + 64:  # stale heap items: keep the live ones
+            self.flips = [x for x in flips if memo.get(x[2].entry.session_id) is x[2]]
+            self.acts = [x for x in self.acts if memo.get(x[2].entry.session_id) is x[2]]
+            heapq.heapify(self.flips)
+            heapq.heapify(self.acts)
+
+    def next_act_s(self) -> float | None:
+        acts, memo = self.acts, self.memo
+        while acts and memo.get(acts[0][2].entry.session_id) is not acts[0][2]:
+            heapq.heappop(acts)
+        return acts[0][0] if acts else None
+
+    def _drop(self, sid: str) -> None:
+        m = self.memo.pop(sid, None)
+        if m is not None:
+            self.ids.pop(id(m.entry), None)
+            self.long.discard(sid)
+            self.due.discard(sid)
+
+    def _add(self, policy: PredictivePolicy, s: ParkedSession, now_s: float) -> None:
+        sid, res, c = s.session_id, s.residency, self.costs
+        self.long.discard(sid)
+        self.due.discard(sid)
+        if res is Residency.DEVICE:
+            above, until_s, acts_s = _above_until(s, now_s, policy.keep_threshold_s(s, c), True)
+            if s.num_freed_blocks <= 0:
+                acts_s = None  # moving it frees nothing: only pressure acts on it
+            elif above:
+                self.long.add(sid)
+        elif res is Residency.HOST or res is Residency.DISK:
+            above, until_s, acts_s = _above_until(s, now_s, policy.lead_s(s, c), False)
+            if not above:
+                self.due.add(sid)
+        else:  # moving
+            above, until_s, acts_s = False, None, None
+        m = _Memo(s, above, until_s, acts_s)
+        self.memo[sid] = m
+        self.ids[id(s)] = sid
+        self.seq += 1
+        if until_s is not None:
+            heapq.heappush(self.flips, (until_s, self.seq, m))
+        if acts_s is not None:
+            heapq.heappush(self.acts, (acts_s, self.seq, m))
+
+
 @dataclass(frozen=True)
 class PredictivePolicy:
     """Belady-like: the session whose next use is predicted farthest leaves the device first."""
@@ -287,9 +390,8 @@ class PredictivePolicy:
     # moving it out and back would cost more than holding it.
     keep_round_trips: float = 4.0
     keep_floor_s: float = 0.25
-    # Per session id, its last state; and the last view asked about with its states (see `_states`).
-    _memo: dict[str, _Memo] = field(default_factory=dict, init=False, repr=False, compare=False)
-    _last: list[Any] = field(default_factory=lambda: [None, None], init=False, repr=False, compare=False)
+    # The sessions' states as of the last view (a cache: any view gets the answer a fresh policy gives).
+    _index: _PredictiveIndex = field(default_factory=_PredictiveIndex, init=False, repr=False, compare=False)
 
     def remaining_s(self, s: ParkedSession, now_s: float) -> float:
         """Expected time until resume, given how long it has already waited."""
@@ -301,22 +403,22 @@ class PredictivePolicy:
         need = _pressure(view) + max(0, reserve - view.num_free_device_blocks)
         actions: list[ResidencyAction] = []
         host_free, disk_free = view.num_free_host_blocks, view.num_free_disk_blocks
+        index = self._index
+        index.sync(self, view)
+        memo, parked = index.memo, view.parked
 
         # Demote: farthest predicted next use first. Long waits leave at once (NOTE: waiting
         # for pressure means the next prefill finds no room and preempts running work, whose
         # recompute costs more than the move); short ones only while memory is short.
         # Sessions all of whose blocks others read (a fork's running children) go last and only under
         # pressure: moving one frees nothing on its own.
-        # Without pressure only long waits act: the others are passed over before any sorting (most of
-        # the parked sessions, most of the time).
-        candidates, due = [], []
-        for i, (s, (above, _)) in enumerate(zip(view.parked, self._states(view))):
-            res = s.residency
-            if res is Residency.DEVICE:
-                if need > 0 or (s.num_freed_blocks > 0 and above):
-                    candidates.append((s.num_freed_blocks <= 0, -self.remaining_s(s, now), i, s, above))
-            elif (res is Residency.HOST or res is Residency.DISK) and not above:
-                due.append((self.remaining_s(s, now), i, s))
+        # Without pressure only long waits act (ties in view order): the index holds them apart.
+        if need > 0:
+            candidates = [(s.num_freed_blocks <= 0, -self.remaining_s(s, now), i, s, memo[s.session_id].above)
+                          for i, s in enumerate(parked) if s.residency is Residency.DEVICE]
+        else:
+            candidates = [(False, -self.remaining_s(s, now), parked.index(s), s, True)
+                          for s in (memo[sid].entry for sid in index.long)]
         for _, neg_remaining, _, s, is_long in sorted(candidates):
             if s.num_freed_blocks <= 0 and need <= 0:
                 continue
@@ -346,11 +448,14 @@ class PredictivePolicy:
 
         # Prefetch: soonest predicted resume first, into room above the watermark.
         room = view.num_free_device_blocks - reserve - _pressure(view)
-        for _, _, s in sorted(due):
-            if s.num_blocks > room:
-                continue
-            actions.append(ResidencyAction(ActionKind.PREFETCH, s.session_id))
-            room -= s.num_blocks
+        if index.due:
+            due = sorted((self.remaining_s(s, now), parked.index(s), s)
+                         for s in (memo[sid].entry for sid in index.due))
+            for _, _, s in due:
+                if s.num_blocks > room:
+                    continue
+                actions.append(ResidencyAction(ActionKind.PREFETCH, s.session_id))
+                room -= s.num_blocks
         return tuple(actions)
 
     def keep_threshold_s(self, s: ParkedSession, c: MoveCosts) -> float:
@@ -366,41 +471,10 @@ class PredictivePolicy:
         if _pressure(view) > 0 or view.num_free_device_blocks < int(self.low_watermark * view.num_device_blocks):
             return view.now_s
         # With no action now, every long device session lacks host room and every due one lacks device
-        # room, each on its own: until some session crosses its threshold, that stays so in any order.
-        flips = [t for _, t in self._states(view) if t is not None]
-        return min(flips) if flips else None
-
-    def _states(self, view: ResidencyView) -> list[tuple[bool, float | None]]:
-        """Per parked session of the view: whether its expected remaining wait is above its threshold
-        now (on device: long enough to leave; off device: not yet due for its prefetch), and when that
-        next changes by the clock alone (None: never; moving sessions: (False, None)).
-
-        Memoized per session, on the view's entry (a changed session gets a new one) and the costs, from
-        the time asked until that time (views may come older than the last one: a next decision time is
-        asked lazily, on the view just decided on, whose answer is kept too)."""
-        last_view, last_states = self._last
-        if last_view is view:
-            return last_states
-        memo, now, c = self._memo, view.now_s, view.costs
-        out: list[tuple[bool, float | None]] = []
-        for s in view.parked:
-            res = s.residency
-            if res is not Residency.DEVICE and res is not Residency.HOST and res is not Residency.DISK:
-                out.append((False, None))
-                continue
-            hit = memo.get(s.session_id)
-            if hit is not None and (hit.entry is s or hit.entry == s) and hit.since_s <= now \
-                    and (hit.until_s is None or now < hit.until_s) and hit.costs == c:
-                out.append((hit.above, hit.until_s))
-                continue
-            threshold = self.keep_threshold_s(s, c) if res is Residency.DEVICE else self.lead_s(s, c)
-            above, until_s = _above_until(s, now, threshold)
-            memo[s.session_id] = _Memo(s, c, above, until_s, now)
-            out.append((above, until_s))
-        if len(memo) > 2 * len(view.parked) + 1024:
-            memo.clear()  # entries of sessions gone from the view; rebuilt as needed
-        self._last[:] = [view, out]
-        return out
+        # room, each on its own: that stays so in any order until the clock makes another session one
+        # to act on (a wait on device turning long, one off device coming due).
+        self._index.sync(self, view)
+        return self._index.next_act_s()
 
 
 POLICIES: dict[str, type] = {

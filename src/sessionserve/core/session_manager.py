@@ -70,12 +70,13 @@ class SessionManager:
         # sessions go idle): sessions are scanned for expiry only once it is older than the TTL.
         self._oldest_idle_s: float | None = None
         # The residency view's sessions, kept up to date per session: an entry is rebuilt when its session
-        # changed, all of them when what every entry depends on changed (the wait predictor learned, or
-        # some block's sharing did).
-        self._parked: tuple[int, tuple[ParkedSession, ...]] = (-1, ())  # (version, the view's sessions)
+        # changed or its prediction moved, all of them when some block's sharing changed.
+        self._parked: tuple[ParkedSession, ...] = ()  # the view's sessions
         self._entries: dict[str, ParkedSession] = {}
-        self._changed: set[str] = set()
-        self._entries_epoch: tuple[int, int] = (-1, -1)
+        # Sessions changed since the last view, in the order they first changed (a dict, not a set: the view's
+        # order must not depend on string hashing).
+        self._changed: dict[str, None] = {}
+        self._predictor_epoch = self._sharing_epoch = -1
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -264,7 +265,7 @@ class SessionManager:
     def _touch(self, session_id: str) -> None:
         """Note that a session changed: the policy looks again, at a rebuilt entry for it."""
         self._version += 1
-        self._changed.add(session_id)
+        self._changed[session_id] = None
 
     def _decision_due(self) -> float | None:
         if self._due_view is not None:
@@ -302,27 +303,38 @@ class SessionManager:
         self._oldest_idle_s = min(left) if left else None  # (the TTL may change: kept apart)
 
     def view(self, now_s: float, num_wanted_blocks: int) -> ResidencyView:
-        epoch = (self.predictor.num_observed, self.kv.pool.num_sharing_changes)
-        if epoch != self._entries_epoch:
-            self._entries_epoch = epoch
-            self._entries.clear()
-            self._changed.update(self.sessions)
-            self._parked = (-1, ())
-        if self._parked[0] != self._version:  # the sessions changed since the last view
-            entries = self._entries
+        entries, predict = self._entries, self.predictor.predict
+        if self.kv.pool.num_sharing_changes != self._sharing_epoch:  # any entry's shared blocks may differ
+            self._sharing_epoch = self.kv.pool.num_sharing_changes
+            self._changed.update(dict.fromkeys(entries))
+        if self.predictor.num_observed != self._predictor_epoch:
+            # The predictor learned: entries whose prediction moved are rebuilt. Only the quantiles the
+            # policies read count (p50, p90): a new sample that leaves them alone keeps the entry as is.
+            self._predictor_epoch = self.predictor.num_observed
+            sessions = self.sessions
+            for sid, e in entries.items():
+                s = sessions.get(sid)
+                if s is None:
+                    continue  # closed: already among the changed
+                p = predict(s.waiting_tools, s.wait_hint_s)
+                if p.p50_s != e.predicted.p50_s or p.p90_s != e.predicted.p90_s:
+                    self._changed[sid] = None
+        if self._changed:
             for sid in self._changed:
                 s = self.sessions.get(sid)
                 if s is not None and s.state is SessionState.PARKED and s.residency is not Residency.NONE:
-                    entries[sid] = ParkedSession(
+                    entry = ParkedSession(
                         sid, s.residency, self._num_blocks(s), s.num_computed_tokens,
                         s.parked_s if s.parked_s is not None else now_s,
-                        self.predictor.predict(s.waiting_tools, s.wait_hint_s), self._num_shared_blocks(s))
+                        predict(s.waiting_tools, s.wait_hint_s), self._num_shared_blocks(s))
+                    if entries.get(sid) != entry:  # an unchanged entry stays the same object
+                        entries[sid] = entry
                 else:
                     entries.pop(sid, None)
             self._changed.clear()
-            # In the sessions' order, as a scan of them would give: ties in the policies' orders stay put.
-            self._parked = (self._version, tuple(entries[sid] for sid in self.sessions if sid in entries))
-        parked = self._parked[1]
+            # In the order the sessions parked (ties in the policies' orders go to the earlier).
+            self._parked = tuple(entries.values())
+        parked = self._parked
         wanted = num_wanted_blocks + sum(self._num_blocks(self.sessions[sid]) for sid in self._pending_restore)
         mover = self.mover
         return ResidencyView(

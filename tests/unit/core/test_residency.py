@@ -181,21 +181,35 @@ def test_decision_holds_until_next_decision_time(name: str, v: ResidencyView, fr
         assert policy.decide(later) == (), (name, later.now_s, due)
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
-@given(v=_views(), steps=st.lists(st.tuples(st.floats(0.0, 20.0), st.integers(0, 7), st.booleans()),
-                                  min_size=1, max_size=8))
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(v=_views(), steps=st.lists(st.tuples(st.floats(0.0, 20.0), st.integers(0, 7),
+                                            st.sampled_from(["same", "replace", "move", "leave", "park", "free"])),
+                                  min_size=1, max_size=10))
 def test_predictive_remembers_nothing_that_changes_an_answer(v: ResidencyView, steps) -> None:
-    """The predictive policy memoizes per session; over a run of views (time moving, sessions changing,
-    the last view asked again, as the engine asks lazily) it answers as a fresh policy would."""
+    """The predictive policy keeps its per-session states from view to view; over a run of views (time
+    moving, sessions changing, moving between tiers, leaving and parking, room changing, the last view
+    asked again, as the engine asks lazily, and an older one) it answers as a fresh policy would."""
     kept = make_policy("predictive")
     views = [v]
-    for dt, k, replace in steps:
+    for n, (dt, k, change) in enumerate(steps):
         last = views[-1]
         parked_now = list(last.parked)
-        if replace and k < len(parked_now):  # the session changed: a new entry (e.g. it parked again)
+        free = last.num_free_device_blocks
+        k = k % len(parked_now) if parked_now else 0
+        if change == "replace" and parked_now:  # the session changed: a new entry (e.g. it parked again)
             s = parked_now[k]
             parked_now[k] = s._replace(parked_s=last.now_s + dt / 2, num_blocks=s.num_blocks + 1)
-        views.append(last._replace(now_s=last.now_s + dt, parked=tuple(parked_now)))
+        elif change == "move" and parked_now:  # a move began or ended: same session, another residency
+            s = parked_now[k]
+            parked_now[k] = s._replace(residency=_RESIDENCIES[(_RESIDENCIES.index(s.residency) + 1) % 5])
+        elif change == "leave" and parked_now:  # its turn began
+            del parked_now[k]
+        elif change == "park":
+            parked_now.append(ParkedSession(f"new{n}", Residency.DEVICE, 4 + k, 60, last.now_s + dt / 2,
+                                            WaitPrediction(0.5, 2.0 + k, 9.0 + k, 10)))
+        elif change == "free":
+            free = (free + 37 * (k + 1)) % (last.num_device_blocks + 1)
+        views.append(last._replace(now_s=last.now_s + dt, parked=tuple(parked_now), num_free_device_blocks=free))
     for i, w in enumerate(views):
         for asked in (w, views[max(0, i - 1)]):  # and an older view after a newer one
             fresh = make_policy("predictive")
