@@ -67,6 +67,16 @@ class ResidencyView(NamedTuple):
     num_free_host_blocks: int
     num_free_disk_blocks: int
     costs: MoveCosts
+    # Optional, for policies that keep per-session state between views: how `parked` differs from an
+    # earlier view's, as (that view's `parked`, entries new or changed since, ids of sessions gone since).
+    # None: not known (a policy compares the two itself).
+    delta: ViewDelta | None = None
+
+
+class ViewDelta(NamedTuple):
+    base: tuple[ParkedSession, ...]
+    changed: tuple[ParkedSession, ...]
+    gone: tuple[str, ...]
 
 
 class ActionKind(Enum):
@@ -316,12 +326,20 @@ class _PredictiveIndex:
             self.reset()
             self.costs = view.costs
         if parked is not self.parked:
-            cur = dict(zip(map(id, parked), parked))
-            ids = self.ids
-            for gone in ids.keys() - cur.keys():
-                self._drop(ids.pop(gone))
-            for key in cur.keys() - ids.keys():  # (a session's earlier entry is among the gone)
-                self._add(policy, cur[key], now)
+            delta = view.delta
+            if delta is not None and delta.base is self.parked:
+                for sid in delta.gone:
+                    self._drop(sid)
+                for s in delta.changed:
+                    self._drop(s.session_id)
+                    self._add(policy, s, now)
+            else:
+                cur = dict(zip(map(id, parked), parked))
+                ids = self.ids
+                for gone in ids.keys() - cur.keys():
+                    self._drop(ids[gone])
+                for key in cur.keys() - ids.keys():  # (a session's earlier entry is among the gone)
+                    self._add(policy, cur[key], now)
             self.parked = parked
         flips, memo = self.flips, self.memo
         while flips and flips[0][0] <= now:

@@ -21,6 +21,7 @@ from sessionserve.core.residency import (
     ResidencyAction,
     ResidencyPolicy,
     ResidencyView,
+    ViewDelta,
 )
 from sessionserve.core.sequence import Sequence, SequenceStatus
 from sessionserve.core.session import Residency, Session, SessionState, SessionStats, Tier
@@ -72,6 +73,7 @@ class SessionManager:
         # The residency view's sessions, kept up to date per session: an entry is rebuilt when its session
         # changed or its prediction moved, all of them when some block's sharing changed.
         self._parked: tuple[ParkedSession, ...] = ()  # the view's sessions
+        self._delta: ViewDelta | None = None  # how they differ from the ones before
         self._entries: dict[str, ParkedSession] = {}
         # Sessions changed since the last view, in the order they first changed (a dict, not a set: the view's
         # order must not depend on string hashing).
@@ -320,6 +322,7 @@ class SessionManager:
                 if p.p50_s != e.predicted.p50_s or p.p90_s != e.predicted.p90_s:
                     self._changed[sid] = None
         if self._changed:
+            changed, gone = [], []
             for sid in self._changed:
                 s = self.sessions.get(sid)
                 if s is not None and s.state is SessionState.PARKED and s.residency is not Residency.NONE:
@@ -329,11 +332,14 @@ class SessionManager:
                         predict(s.waiting_tools, s.wait_hint_s), self._num_shared_blocks(s))
                     if entries.get(sid) != entry:  # an unchanged entry stays the same object
                         entries[sid] = entry
-                else:
-                    entries.pop(sid, None)
+                        changed.append(entry)
+                elif entries.pop(sid, None) is not None:
+                    gone.append(sid)
             self._changed.clear()
-            # In the order the sessions parked (ties in the policies' orders go to the earlier).
-            self._parked = tuple(entries.values())
+            if changed or gone:
+                # In the order the sessions parked (ties in the policies' orders go to the earlier).
+                self._delta = ViewDelta(self._parked, tuple(changed), tuple(gone))
+                self._parked = tuple(entries.values())
         parked = self._parked
         wanted = num_wanted_blocks + sum(self._num_blocks(self.sessions[sid]) for sid in self._pending_restore)
         mover = self.mover
@@ -341,7 +347,8 @@ class SessionManager:
             now_s=now_s, parked=parked, num_device_blocks=self.kv.pool.num_blocks,
             num_free_device_blocks=self.kv.num_free_blocks, num_wanted_device_blocks=wanted,
             num_free_host_blocks=mover.num_free_blocks(Tier.HOST) if mover else 0,
-            num_free_disk_blocks=mover.num_free_blocks(Tier.DISK) if mover else 0, costs=self.costs)
+            num_free_disk_blocks=mover.num_free_blocks(Tier.DISK) if mover else 0, costs=self.costs,
+            delta=self._delta)
 
     @property
     def num_blocked(self) -> int:

@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessionserve.core.residency import POLICIES, ActionKind, MoveCosts, ParkedSession, ResidencyView, make_policy
+from sessionserve.core.residency import (
+    POLICIES,
+    ActionKind,
+    MoveCosts,
+    ParkedSession,
+    ResidencyView,
+    ViewDelta,
+    make_policy,
+)
 from sessionserve.core.session import Residency, Tier
 from sessionserve.core.wait_predictor import WaitPrediction
 
@@ -55,7 +63,7 @@ def test_ttl_drops_after_its_time_to_live() -> None:
 
 def test_least_waste_keeps_short_waits_and_swaps_long_ones() -> None:
     lw = make_policy("least-waste")
-    short = parked("short", p50=0.01)
+    short = parked("short", p50=0.01, parked_s=1.0)
     long = parked("long", p50=100.0)
     acts = lw.decide(view([short, long]))
     assert kinds(acts) == {"long": ActionKind.OFFLOAD}
@@ -209,7 +217,14 @@ def test_predictive_remembers_nothing_that_changes_an_answer(v: ResidencyView, s
                                             WaitPrediction(0.5, 2.0 + k, 9.0 + k, 10)))
         elif change == "free":
             free = (free + 37 * (k + 1)) % (last.num_device_blocks + 1)
-        views.append(last._replace(now_s=last.now_s + dt, parked=tuple(parked_now), num_free_device_blocks=free))
+        parked_now = tuple(parked_now)
+        delta = None
+        if n % 3:  # and tell the policy what changed, as the session manager does (else it compares)
+            before = {id(s) for s in last.parked}
+            delta = ViewDelta(last.parked, tuple(s for s in parked_now if id(s) not in before),
+                              tuple({s.session_id for s in last.parked} - {s.session_id for s in parked_now}))
+        views.append(last._replace(now_s=last.now_s + dt, parked=parked_now, num_free_device_blocks=free,
+                                   delta=delta))
     for i, w in enumerate(views):
         for asked in (w, views[max(0, i - 1)]):  # and an older view after a newer one
             fresh = make_policy("predictive")
@@ -229,3 +244,19 @@ def test_predictive_prefetches_at_the_time_it_gave(parked_s: float, p50: float, 
     due = policy.next_decision_s(v)
     assert due is not None and due > v.now_s
     assert kinds(policy.decide(v._replace(now_s=due))) == {"s": ActionKind.PREFETCH}
+
+
+def test_predictive_follows_the_views_delta() -> None:
+    """Told what changed since the view before, the policy forgets sessions gone and looks again at
+    changed ones: a long wait that left the view is not offloaded, a changed one is judged anew."""
+    policy = make_policy("predictive")
+    long_wait = parked("long", p50=100.0)
+    short = parked("short", p50=0.01, parked_s=1.0)
+    v1 = view([long_wait, short], free=100, total=100, now=1.0)._replace(num_free_host_blocks=0)
+    assert policy.decide(v1) == ()  # the long wait must leave, but the host has no room yet
+    v2 = v1._replace(parked=(short,), num_free_host_blocks=500, delta=ViewDelta(v1.parked, (), ("long",)))
+    assert policy.decide(v2) == ()
+    assert policy.next_decision_s(v2) == make_policy("predictive").next_decision_s(v2) > 1.0
+    longer = short._replace(predicted=WaitPrediction(25.0, 100.0, 400.0, 10))
+    v3 = v2._replace(parked=(longer,), delta=ViewDelta(v2.parked, (longer,), ()))
+    assert kinds(policy.decide(v3)) == {"short": ActionKind.OFFLOAD}
