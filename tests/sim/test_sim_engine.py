@@ -193,3 +193,33 @@ def test_subagents_run_on_the_virtual_clock_as_in_the_replay() -> None:
     firsts = sorted(r.result.num_cached_tokens for r in result.steps if r.session_id != "p" and r.step_index == 0)
     assert firsts[0] == 0 and firsts[1:] == [2048, 2048]
     assert summarize(result)["num_subagents"] == 3
+
+
+def test_parked_entries_follow_the_predictor_within_the_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The residency view re-predicts a parked session only when the predictor's median or tail for it
+    moved past PREDICTION_TOLERANCE: at every view of a replay, every entry is that close to what the
+    predictor says now, and entries do get refreshed while sessions wait (the predictor learns)."""
+    from sessionserve.core.session_manager import PREDICTION_TOLERANCE
+
+    real_view = SessionManager.view
+    counts = {"entries": 0, "refreshed": 0}
+
+    def checked_view(self: SessionManager, now_s: float, num_wanted_blocks: int) -> residency.ResidencyView:
+        before = dict(self._entries)
+        view = real_view(self, now_s, num_wanted_blocks)
+        for e in view.parked:
+            s = self.sessions[e.session_id]
+            now = self.predictor.predict(s.waiting_tools, s.wait_hint_s)
+            for a, b in ((e.predicted.p50_s, now.p50_s), (e.predicted.p90_s, now.p90_s)):
+                assert abs(a - b) <= PREDICTION_TOLERANCE * a * 1.0001
+            old = before.get(e.session_id)
+            counts["entries"] += 1
+            if old is not None and old is not e and old._replace(predicted=e.predicted) == e:
+                counts["refreshed"] += 1
+        return view
+
+    monkeypatch.setattr(SessionManager, "view", checked_view)
+    result = simulate(make_engine("predictive"), agent_trace(num_sessions=12, num_steps=6).sessions,
+                      LoadSpec("closed", 12))
+    assert summarize(result)["num_completed"] == 12
+    assert counts["refreshed"] > 0 and counts["entries"] > 100

@@ -13,7 +13,8 @@ them out through the mover. One interface, chosen by name:
   least-waste  per session, keep / swap to host / drop by the memory-time
                each wastes (after InferCept)
   predictive   ours: keep short predicted waits in place; move longer ones to
-               host (or disk, by size and room) as soon as they park, and
+               host (or disk, by size and room) as soon as they park once the
+               device is more than half used (below that, holding costs nothing), and
                under pressure the farthest predicted next use first; prefetch
                so the KV is back just before the predicted resume; re-offload
                when a prediction proves wrong
@@ -301,7 +302,7 @@ class _PredictiveIndex:
     ones off it) are kept apart, so a view with none costs no walk over the parked sessions.
     """
 
-    __slots__ = ("memo", "ids", "parked", "now_s", "costs", "long", "due", "flips", "acts", "seq")
+    __slots__ = ("memo", "ids", "parked", "now_s", "costs", "long", "due", "flips", "acts_on", "acts_off", "seq")
 
     def __init__(self) -> None:
         self.reset()
@@ -315,7 +316,9 @@ class _PredictiveIndex:
         self.long: set[str] = set()  # on device, frees blocks, above its threshold
         self.due: set[str] = set()  # off device, below its lead time
         self.flips: list[tuple[float, int, _Memo]] = []  # (until_s, seq, memo): a state to compute again
-        self.acts: list[tuple[float, int, _Memo]] = []  # (acts_s, seq, memo)
+        # (acts_s, seq, memo) of sessions on device (turning long) and off it (coming due)
+        self.acts_on: list[tuple[float, int, _Memo]] = []
+        self.acts_off: list[tuple[float, int, _Memo]] = []
         self.seq = 0
 
     def sync(self, policy: PredictivePolicy, view: ResidencyView) -> None:
@@ -347,17 +350,25 @@ class _PredictiveIndex:
             if memo.get(m.entry.session_id) is m:
                 self._add(policy, m.entry, now)
         self.now_s = now
-        if len(flips) + len(self.acts) > 4 * len(memo) + 64:  # stale heap items: keep the live ones
-            self.flips = [x for x in flips if memo.get(x[2].entry.session_id) is x[2]]
-            self.acts = [x for x in self.acts if memo.get(x[2].entry.session_id) is x[2]]
-            heapq.heapify(self.flips)
-            heapq.heapify(self.acts)
+        if len(flips) + len(self.acts_on) + len(self.acts_off) > 4 * len(memo) + 64:  # stale heap items
+            self.flips, self.acts_on, self.acts_off = (
+                self._live(flips), self._live(self.acts_on), self._live(self.acts_off))
 
-    def next_act_s(self) -> float | None:
-        acts, memo = self.acts, self.memo
-        while acts and memo.get(acts[0][2].entry.session_id) is not acts[0][2]:
-            heapq.heappop(acts)
-        return acts[0][0] if acts else None
+    def _live(self, heap: list[tuple[float, int, _Memo]]) -> list[tuple[float, int, _Memo]]:
+        memo = self.memo
+        out = [x for x in heap if memo.get(x[2].entry.session_id) is x[2]]
+        heapq.heapify(out)
+        return out
+
+    def next_act_s(self, on_device: bool) -> float | None:
+        """The earliest time a session comes due off device, or (`on_device`) turns long on it."""
+        memo, out = self.memo, None
+        for acts in ((self.acts_off, self.acts_on) if on_device else (self.acts_off,)):
+            while acts and memo.get(acts[0][2].entry.session_id) is not acts[0][2]:
+                heapq.heappop(acts)
+            if acts and (out is None or acts[0][0] < out):
+                out = acts[0][0]
+        return out
 
     def _drop(self, sid: str) -> None:
         m = self.memo.pop(sid, None)
@@ -389,7 +400,7 @@ class _PredictiveIndex:
         if until_s is not None:
             heapq.heappush(self.flips, (until_s, self.seq, m))
         if acts_s is not None:
-            heapq.heappush(self.acts, (acts_s, self.seq, m))
+            heapq.heappush(self.acts_on if res is Residency.DEVICE else self.acts_off, (acts_s, self.seq, m))
 
 
 @dataclass(frozen=True)
@@ -408,6 +419,9 @@ class PredictivePolicy:
     # moving it out and back would cost more than holding it.
     keep_round_trips: float = 4.0
     keep_floor_s: float = 0.25
+    # Long waits leave at once only while the device is more than this share used: below it, holding
+    # them costs nobody anything, and a move out and back risks a late restore on the resume.
+    demote_above_usage: float = 0.5
     # The sessions' states as of the last view (a cache: any view gets the answer a fresh policy gives).
     _index: _PredictiveIndex = field(default_factory=_PredictiveIndex, init=False, repr=False, compare=False)
 
@@ -425,18 +439,22 @@ class PredictivePolicy:
         index.sync(self, view)
         memo, parked = index.memo, view.parked
 
-        # Demote: farthest predicted next use first. Long waits leave at once (NOTE: waiting
-        # for pressure means the next prefill finds no room and preempts running work, whose
-        # recompute costs more than the move); short ones only while memory is short.
+        # Demote: farthest predicted next use first. On a device more than half used, long waits
+        # leave at once (NOTE: waiting for pressure means the next prefill finds no room and
+        # preempts running work, whose recompute costs more than the move); short ones only while
+        # memory is short.
         # Sessions all of whose blocks others read (a fork's running children) go last and only under
         # pressure: moving one frees nothing on its own.
-        # Without pressure only long waits act (ties in view order): the index holds them apart.
+        # Without pressure only long waits act (ties in view order), and only on a device more than
+        # `demote_above_usage` used: the index holds them apart.
         if need > 0:
             candidates = [(s.num_freed_blocks <= 0, -self.remaining_s(s, now), i, s, memo[s.session_id].above)
                           for i, s in enumerate(parked) if s.residency is Residency.DEVICE]
-        else:
+        elif self._demotes(view):
             candidates = [(False, -self.remaining_s(s, now), parked.index(s), s, True)
                           for s in (memo[sid].entry for sid in index.long)]
+        else:
+            candidates = []
         for _, neg_remaining, _, s, is_long in sorted(candidates):
             if s.num_freed_blocks <= 0 and need <= 0:
                 continue
@@ -476,6 +494,10 @@ class PredictivePolicy:
                 room -= s.num_blocks
         return tuple(actions)
 
+    def _demotes(self, view: ResidencyView) -> bool:
+        """Whether long waits leave the device without pressure: it is more than `demote_above_usage` used."""
+        return view.num_device_blocks - view.num_free_device_blocks > self.demote_above_usage * view.num_device_blocks
+
     def keep_threshold_s(self, s: ParkedSession, c: MoveCosts) -> float:
         """A predicted remaining wait above this leaves the device even without memory pressure."""
         return max(self.keep_floor_s, self.keep_round_trips * 2 * c.host_s_per_block * s.num_blocks)
@@ -488,11 +510,12 @@ class PredictivePolicy:
     def next_decision_s(self, view: ResidencyView) -> float | None:
         if _pressure(view) > 0 or view.num_free_device_blocks < int(self.low_watermark * view.num_device_blocks):
             return view.now_s
-        # With no action now, every long device session lacks host room and every due one lacks device
-        # room, each on its own: that stays so in any order until the clock makes another session one
-        # to act on (a wait on device turning long, one off device coming due).
+        # With no action now, every long device session lacks host room (or the device is not used
+        # enough for them to leave) and every due one lacks device room, each on its own: that stays so
+        # in any order until the clock makes another session one to act on (a wait on device turning
+        # long, where they leave; one off device coming due).
         self._index.sync(self, view)
-        return self._index.next_act_s()
+        return self._index.next_act_s(on_device=self._demotes(view))
 
 
 POLICIES: dict[str, type] = {

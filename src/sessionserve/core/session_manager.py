@@ -25,7 +25,12 @@ from sessionserve.core.residency import (
 )
 from sessionserve.core.sequence import Sequence, SequenceStatus
 from sessionserve.core.session import Residency, Session, SessionState, SessionStats, Tier
-from sessionserve.core.wait_predictor import WaitPredictor
+from sessionserve.core.wait_predictor import WaitPrediction, WaitPredictor
+
+
+# A parked session's wait prediction is refreshed when the predictor's quantiles for it moved by more than
+# this share (see SessionManager._refresh_predictions).
+PREDICTION_TOLERANCE = 0.05
 
 
 class SessionBusyError(ValueError):
@@ -79,6 +84,8 @@ class SessionManager:
         # order must not depend on string hashing).
         self._changed: dict[str, None] = {}
         self._predictor_epoch = self._sharing_epoch = -1
+        # Per prediction key (tools, hint): the prediction parked sessions with that key are judged on.
+        self._prediction_refs: dict[tuple, WaitPrediction] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -305,22 +312,13 @@ class SessionManager:
         self._oldest_idle_s = min(left) if left else None  # (the TTL may change: kept apart)
 
     def view(self, now_s: float, num_wanted_blocks: int) -> ResidencyView:
-        entries, predict = self._entries, self.predictor.predict
+        entries = self._entries
         if self.kv.pool.num_sharing_changes != self._sharing_epoch:  # any entry's shared blocks may differ
             self._sharing_epoch = self.kv.pool.num_sharing_changes
             self._changed.update(dict.fromkeys(entries))
         if self.predictor.num_observed != self._predictor_epoch:
-            # The predictor learned: entries whose prediction moved are rebuilt. Only the quantiles the
-            # policies read count (p50, p90): a new sample that leaves them alone keeps the entry as is.
             self._predictor_epoch = self.predictor.num_observed
-            sessions = self.sessions
-            for sid, e in entries.items():
-                s = sessions.get(sid)
-                if s is None:
-                    continue  # closed: already among the changed
-                p = predict(s.waiting_tools, s.wait_hint_s)
-                if p.p50_s != e.predicted.p50_s or p.p90_s != e.predicted.p90_s:
-                    self._changed[sid] = None
+            self._refresh_predictions()
         if self._changed:
             changed, gone = [], []
             for sid in self._changed:
@@ -329,7 +327,7 @@ class SessionManager:
                     entry = ParkedSession(
                         sid, s.residency, self._num_blocks(s), s.num_computed_tokens,
                         s.parked_s if s.parked_s is not None else now_s,
-                        predict(s.waiting_tools, s.wait_hint_s), self._num_shared_blocks(s))
+                        self._predict(s), self._num_shared_blocks(s))
                     if entries.get(sid) != entry:  # an unchanged entry stays the same object
                         entries[sid] = entry
                         changed.append(entry)
@@ -349,6 +347,38 @@ class SessionManager:
             num_free_host_blocks=mover.num_free_blocks(Tier.HOST) if mover else 0,
             num_free_disk_blocks=mover.num_free_blocks(Tier.DISK) if mover else 0, costs=self.costs,
             delta=self._delta)
+
+    def _refresh_predictions(self) -> None:
+        """The predictor learned. Parked sessions are judged on the prediction for their key (tools, hint)
+        as of the last refresh; it is renewed, and their entries rebuilt, once the predictor's median or
+        90th percentile for the key (what the policies read) moved by more than PREDICTION_TOLERANCE.
+        Each new wait nudges the quantiles a little; re-judging every parked session at each would cost
+        O(parked) per turn for a change the policies' timings do not resolve."""
+        refs, predict = self._prediction_refs, self.predictor.predict
+        moved = set()
+        for key, ref in refs.items():
+            p = predict(*key)
+            if abs(p.p50_s - ref.p50_s) > PREDICTION_TOLERANCE * ref.p50_s \
+                    or abs(p.p90_s - ref.p90_s) > PREDICTION_TOLERANCE * ref.p90_s:
+                moved.add(key)
+        if moved:
+            for key in moved:
+                refs[key] = predict(*key)
+            sessions = self.sessions
+            for sid in self._entries:
+                s = sessions.get(sid)
+                if s is not None and (s.waiting_tools, s.wait_hint_s) in moved:
+                    self._changed[sid] = None
+        if len(refs) > 2 * len(self._entries) + 64:  # keys no parked session has any more
+            keys = {(s.waiting_tools, s.wait_hint_s) for s in map(self.sessions.get, self._entries) if s}
+            self._prediction_refs = {k: v for k, v in refs.items() if k in keys}
+
+    def _predict(self, session: Session) -> WaitPrediction:
+        key = (session.waiting_tools, session.wait_hint_s)
+        p = self._prediction_refs.get(key)
+        if p is None:
+            p = self._prediction_refs[key] = self.predictor.predict(*key)
+        return p
 
     @property
     def num_blocked(self) -> int:

@@ -74,11 +74,23 @@ def test_least_waste_keeps_short_waits_and_swaps_long_ones() -> None:
 
 def test_predictive_keeps_short_waits_and_moves_long_ones_at_once() -> None:
     pol = make_policy("predictive")
-    assert pol.decide(view([parked("short", p50=0.1, parked_s=0.99)], free=80)) == ()
-    acts = pol.decide(view([parked("long", p50=100.0)], free=80))
+    assert pol.decide(view([parked("short", p50=0.1, parked_s=0.99)], free=40)) == ()
+    acts = pol.decide(view([parked("long", p50=100.0)], free=40))
     assert kinds(acts) == {"long": ActionKind.OFFLOAD} and acts[0].tier is Tier.HOST
     # Without host room a long wait stays put until memory is actually short.
-    assert pol.decide(view([parked("long", p50=100.0)], free=80, host=0)) == ()
+    assert pol.decide(view([parked("long", p50=100.0)], free=40, host=0)) == ()
+
+
+def test_predictive_holds_long_waits_while_the_device_is_mostly_free() -> None:
+    """At most half the device used, holding a long wait costs nobody anything: it stays (no move out and
+    back, no late restore); past half, it leaves at once; off-device sessions are still prefetched."""
+    pol = make_policy("predictive")
+    long_wait = parked("long", p50=100.0)
+    assert pol.decide(view([long_wait], free=50)) == ()
+    assert pol.next_decision_s(view([long_wait], free=50)) is None  # only memory use can make it leave
+    assert kinds(pol.decide(view([long_wait], free=49))) == {"long": ActionKind.OFFLOAD}
+    due = parked("due", p50=1.0, residency=Residency.HOST, parked_s=0.0)
+    assert kinds(pol.decide(view([long_wait, due], free=90, now=0.98))) == {"due": ActionKind.PREFETCH}
 
 
 def test_predictive_demotes_farthest_next_use_first() -> None:
@@ -135,7 +147,7 @@ def test_under_pressure_sessions_whose_blocks_others_read_go_last(name: str) -> 
 
 def test_predictive_does_not_move_a_session_others_read_without_pressure() -> None:
     pol = make_policy("predictive")
-    acts = pol.decide(view([parked("read", p50=100.0, shared=10), parked("alone", p50=100.0)]))
+    acts = pol.decide(view([parked("read", p50=100.0, shared=10), parked("alone", p50=100.0)], free=40))
     assert kinds(acts) == {"alone": ActionKind.OFFLOAD}
 
 
@@ -252,7 +264,7 @@ def test_predictive_follows_the_views_delta() -> None:
     policy = make_policy("predictive")
     long_wait = parked("long", p50=100.0)
     short = parked("short", p50=0.01, parked_s=1.0)
-    v1 = view([long_wait, short], free=100, total=100, now=1.0)._replace(num_free_host_blocks=0)
+    v1 = view([long_wait, short], free=40, total=100, now=1.0)._replace(num_free_host_blocks=0)
     assert policy.decide(v1) == ()  # the long wait must leave, but the host has no room yet
     v2 = v1._replace(parked=(short,), num_free_host_blocks=500, delta=ViewDelta(v1.parked, (), ("long",)))
     assert policy.decide(v2) == ()
