@@ -55,15 +55,18 @@ class WaitPredictor:
         self.min_samples = min_samples
         self._by_tool: dict[str, _Window] = {}
         self._all = _Window(window * 4)
-        # NOTE: predict() runs for every parked session on every engine tick; its answer changes only when
-        # a wait is observed, so it is memoized per (tools, hint) until the next observation.
-        self._memo: dict[tuple[tuple[str, ...], float | None], WaitPrediction] = {}
+        # NOTE: predict() runs for parked sessions on engine ticks; its answer changes only when a wait is
+        # observed for one of its tools (or, answered from the global window, for any tool), so it is
+        # memoized per (tools, hint) until then, with whether it read the global window.
+        self._memo: dict[tuple[tuple[str, ...], float | None], tuple[WaitPrediction, bool]] = {}
         self.num_observed = 0  # predictions can change only when this does
 
     def observe(self, tools: tuple[str, ...], wait_s: float) -> None:
         """Record that a park after calling `tools` lasted `wait_s`."""
         wait_s = max(0.0, float(wait_s))
-        self._memo.clear()
+        seen = set(tools or ("",))
+        for key in [k for k, (_, is_global) in self._memo.items() if is_global or not seen.isdisjoint(k[0] or ("",))]:
+            del self._memo[key]
         self.num_observed += 1
         for tool in tools or ("",):
             self._by_tool.setdefault(tool, _Window(self.window)).add(wait_s)
@@ -74,10 +77,13 @@ class WaitPredictor:
         key = (tools, hint_s)
         hit = self._memo.get(key)
         if hit is None:
+            if len(self._memo) >= 4096:  # (hints are free floats: keys need not repeat)
+                self._memo.clear()
             hit = self._memo[key] = self._predict(tools, hint_s)
-        return hit
+        return hit[0]
 
-    def _predict(self, tools: tuple[str, ...], hint_s: float | None) -> WaitPrediction:
+    def _predict(self, tools: tuple[str, ...], hint_s: float | None) -> tuple[WaitPrediction, bool]:
+        """The prediction, and whether it came from the global window (or the prior) rather than the tools'."""
         windows = [self._by_tool.get(t) for t in (tools or ("",))]
         known = [w for w in windows if w is not None and len(w) >= self.min_samples]
         if known:
@@ -92,4 +98,4 @@ class WaitPredictor:
         if hint_s is not None:
             scale = hint_s / p50 if p50 > 0 else 1.0
             p10, p50, p90 = p10 * scale, hint_s, max(p90 * scale, hint_s)
-        return WaitPrediction(p10, p50, p90, n)
+        return WaitPrediction(p10, p50, p90, n), not known

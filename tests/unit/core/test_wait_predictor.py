@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from sessionserve.core.wait_predictor import WaitPredictor
 
 
@@ -38,3 +41,19 @@ def test_client_hint_sets_the_median() -> None:
         pred.observe(("t",), 2.0)
     p = pred.predict(("t",), hint_s=8.0)
     assert p.p50_s == 8.0 and p.p90_s >= 8.0
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(ops=st.lists(st.tuples(st.booleans(), st.sampled_from([(), ("Bash",), ("Read",), ("Bash", "Read"), ("Grep",)]),
+                              st.floats(0.0, 100.0), st.sampled_from([None, None, 3.0])), min_size=1, max_size=40))
+def test_memoized_predictions_equal_fresh_ones(ops) -> None:
+    """Predictions are memoized per (tools, hint) until a wait of one of their tools is observed (or any
+    wait, for those answered from the global window): at every point they equal a fresh computation."""
+    kept = WaitPredictor(window=8, min_samples=2)
+    for is_observe, tools, value, hint in ops:
+        if is_observe:
+            kept.observe(tools, value)
+        fresh = WaitPredictor(window=8, min_samples=2)
+        fresh._by_tool, fresh._all = kept._by_tool, kept._all  # same history, empty memo
+        for key in [((), None), (("Bash",), None), (("Read",), hint), (("Bash", "Read"), None), (("Grep",), 3.0)]:
+            assert kept.predict(*key) == fresh.predict(*key)
