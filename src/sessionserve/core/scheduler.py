@@ -113,8 +113,10 @@ class Scheduler:
 
         prioritized = self.policy.policy != "fcfs"
         if prioritized:
-            self.running.sort(key=lambda s: self._key(s, now_s))
-            self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
+            if len(self.running) > 1:
+                self.running.sort(key=lambda s: self._key(s, now_s))
+            if len(self.waiting) > 1:
+                self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
         urgent_preempted = self._preempt_for_urgent(now_s) if prioritized else []
         if urgent_preempted:
             self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
