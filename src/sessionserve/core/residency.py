@@ -433,6 +433,8 @@ class PredictivePolicy:
         c, now = view.costs, view.now_s
         reserve = int(self.low_watermark * view.num_device_blocks)
         need = _pressure(view) + max(0, reserve - view.num_free_device_blocks)
+        if need > 0:  # moves out already under way free their blocks shortly: no second eviction for them
+            need -= sum(s.num_freed_blocks for s in view.parked if s.residency is Residency.OFFLOADING)
         actions: list[ResidencyAction] = []
         host_free, disk_free = view.num_free_host_blocks, view.num_free_disk_blocks
         index = self._index

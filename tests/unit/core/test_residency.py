@@ -272,3 +272,15 @@ def test_predictive_follows_the_views_delta() -> None:
     longer = short._replace(predicted=WaitPrediction(25.0, 100.0, 400.0, 10))
     v3 = v2._replace(parked=(longer,), delta=ViewDelta(v2.parked, (longer,), ()))
     assert kinds(policy.decide(v3)) == {"short": ActionKind.OFFLOAD}
+
+
+def test_predictive_counts_offloads_under_way_against_the_need() -> None:
+    """Blocks a move out already under way will free count against the pressure: the next tick, before the
+    move lands, does not evict a second session for the same need."""
+    pol = make_policy("predictive")
+    a, b = parked("a", p50=60.0), parked("b", p50=0.2, parked_s=0.99)  # a long wait, a short one
+    first = pol.decide(view([a, b], free=10, wanted=18))  # 8 blocks short (10 each)
+    assert kinds(first) == {"a": ActionKind.OFFLOAD}
+    moving = a._replace(residency=Residency.OFFLOADING)
+    assert pol.decide(view([moving, b], free=10, wanted=18)) == ()
+    assert kinds(pol.decide(view([moving, b], free=10, wanted=25))) == {"b": ActionKind.OFFLOAD}
