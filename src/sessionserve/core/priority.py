@@ -22,9 +22,10 @@ to preempt background work.
   into levels of doubling size (`las_quantum_tokens` x 2^k); within a level,
   the order above. A request keeps its place while it runs: demoting it by
   its own progress would interleave long prefills and hold more KV at once.
-- Anti-starvation: a sequence that has waited `aging_s` moves up one class;
-  one that has waited `starvation_s` drops to the lowest service level. So
-  every sequence is eventually first in line.
+- Anti-starvation: a sequence that has waited `aging_s` moves up one class,
+  behind that class's own sequences; one that has waited `starvation_s`
+  stands with them (and drops to the lowest service level). So every
+  sequence is eventually first in line.
 
 `fcfs` ignores all of this: arrival order, as a request-level server does.
 """
@@ -91,16 +92,23 @@ class PriorityPolicy:
 
     def key(self, rank: int, service_tokens: int, arrival_s: float, now_s: float | None,
             waiting_since_s: float | None = None, program_start_s: float | None = None
-            ) -> tuple[int, int, float]:
-        """Sort key, smaller first: (class after aging, service level, program start or arrival). Aging
-        counts from the request's own arrival (or `waiting_since_s`)."""
+            ) -> tuple[int, int, int, float]:
+        """Sort key, smaller first: (class after aging, own class until starving, service level, program
+        start or arrival). Aging counts from the request's own arrival (or `waiting_since_s`).
+
+        A sequence aged into a class lines up behind that class's own sequences until it has waited
+        `starvation_s`; then it stands with them in program (or arrival) order. (Aged batch work that
+        went straight to program order would, under sustained load, put older batch sessions ahead of
+        every newer interactive one, and in the running order that preemption takes its victims from.)
+        """
         if self.policy == "fcfs":
-            return (0, 0, arrival_s)
+            return (0, 0, 0, arrival_s)
         since = arrival_s if waiting_since_s is None else waiting_since_s
         waited = 0.0 if now_s is None else max(0.0, now_s - since)
-        level = 0 if waited >= self.starvation_s else self.service_level(service_tokens)
+        starving = waited >= self.starvation_s
+        level = 0 if starving else self.service_level(service_tokens)
         place = program_start_s if self.order == "program" and program_start_s is not None else arrival_s
-        return (self.effective_rank(rank, waited), level, place)
+        return (self.effective_rank(rank, waited), 0 if starving else rank, level, place)
 
     def is_urgent(self, rank: int, arrival_s: float, now_s: float | None) -> bool:
         """An interactive sequence that has waited long enough to preempt batch work for."""

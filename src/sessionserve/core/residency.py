@@ -302,7 +302,7 @@ class _PredictiveIndex:
     ones off it) are kept apart, so a view with none costs no walk over the parked sessions.
     """
 
-    __slots__ = ("memo", "ids", "parked", "now_s", "costs", "long", "due", "flips", "acts_on", "acts_off", "seq")
+    __slots__ = ("acts_off", "acts_on", "costs", "due", "flips", "ids", "long", "memo", "now_s", "parked", "seq")
 
     def __init__(self) -> None:
         self.reset()

@@ -97,7 +97,12 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def _key(self, seq: Sequence, now_s: float | None) -> tuple[int, int, float]:
+    def _key(self, seq: Sequence, now_s: float | None) -> tuple[int, int, int, float]:
+        # Aging is for waiting: a running sequence ranks with the class it was admitted with. (A batch turn
+        # that runs long is not starving; ranked up by its age it would put interactive turns behind it in
+        # the running order, where preemption takes its victims.)
+        if seq.status is SequenceStatus.RUNNING and seq.admitted_s is not None:
+            now_s = seq.admitted_s
         return self.policy.key(seq.priority, seq.service_at_arrival, seq.arrival_s, now_s,
                                program_start_s=seq.program.start_s)
 
@@ -178,6 +183,7 @@ class Scheduler:
                 self.kv.pool.record_query(seq.num_prompt_tokens, start)
             seq.num_computed_tokens = start
             seq.status = SequenceStatus.RUNNING
+            seq.admitted_s = now_s
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens))
             budget -= num_new

@@ -45,6 +45,8 @@ class Sequence:
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
     first_scheduled_s: float | None = None
+    # When the scheduler last admitted it (its clock); a running sequence keeps the class it had then.
+    admitted_s: float | None = None
     # Time this turn waited for its session's KV to come back from a lower tier.
     restore_wait_s: float = 0.0
     first_token_s: float | None = None

@@ -27,7 +27,6 @@ from sessionserve.core.sequence import Sequence, SequenceStatus
 from sessionserve.core.session import Residency, Session, SessionState, SessionStats, Tier
 from sessionserve.core.wait_predictor import WaitPrediction, WaitPredictor
 
-
 # A parked session's wait prediction is refreshed when the predictor's quantiles for it moved by more than
 # this share (see SessionManager._refresh_predictions).
 PREDICTION_TOLERANCE = 0.05

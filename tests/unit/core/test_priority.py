@@ -31,9 +31,39 @@ def test_aging_promotes_batch_and_starvation_resets_service() -> None:
     pol = PriorityPolicy(las_quantum_tokens=100, aging_s=10, starvation_s=60)
     assert pol.key(BATCH, 0, 0.0, now_s=9.9)[0] == 1
     assert pol.key(BATCH, 0, 0.0, now_s=10.0)[0] == 0
-    assert pol.key(INTERACTIVE, 10_000, 0.0, now_s=59.0)[1] > 0
-    assert pol.key(INTERACTIVE, 10_000, 0.0, now_s=60.0)[1] == 0
+    assert pol.key(INTERACTIVE, 10_000, 0.0, now_s=59.0)[2] > 0
+    assert pol.key(INTERACTIVE, 10_000, 0.0, now_s=60.0)[2] == 0
     assert pol.key(BATCH, 0, 0.0, now_s=None)[0] == 1  # no clock: no aging
+
+
+def test_aged_batch_lines_up_behind_interactive_until_it_starves() -> None:
+    pol = PriorityPolicy(aging_s=10, starvation_s=60)
+    old_batch = pol.key(BATCH, 0, arrival_s=0.0, now_s=20.0, program_start_s=0.0)  # aged into class 0
+    new_interactive = pol.key(INTERACTIVE, 0, arrival_s=19.0, now_s=20.0, program_start_s=19.0)
+    fresh_batch = pol.key(BATCH, 0, arrival_s=19.0, now_s=20.0, program_start_s=1.0)
+    assert new_interactive < old_batch < fresh_batch
+    starving = pol.key(BATCH, 0, arrival_s=0.0, now_s=61.0, program_start_s=0.0)
+    assert starving < pol.key(INTERACTIVE, 0, arrival_s=60.0, now_s=61.0, program_start_s=19.0)
+
+
+def test_a_long_running_batch_turn_does_not_age_past_interactive_work() -> None:
+    """Aging is for waiting: a batch turn admitted at once and still running 20 s later keeps its class, so
+    when memory runs out the interactive turn admitted after it is not the one preempted (even with the
+    batch turn past `starvation_s` since it arrived)."""
+    sched = create_scheduler(num_blocks=8, max_num_batched_tokens=64, aging_s=1.0, starvation_s=2.0,
+                             preempt_after_s=100.0, prefix=False)
+    batch = create_seq(8, max_tokens=40, priority=BATCH, arrival_s=0.0, program=Program(start_s=0.0))
+    sched.add(batch)
+    run_step(sched, now_s=0.0)
+    inter = create_seq(8, max_tokens=40, priority=INTERACTIVE, arrival_s=10.0, program=Program(start_s=10.0))
+    sched.add(inter)
+    now, victims = 10.0, []
+    while not victims and not inter.is_finished:
+        plan, _ = run_step(sched, now_s=now)
+        victims = list(plan.preempted)
+        now += 0.5
+    assert victims == [batch.request_id]
+    sched.kv.check_integrity()
 
 
 def test_service_levels_off_by_default() -> None:
