@@ -170,6 +170,16 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
+            whole = self.kv.num_blocks_required(seq.request_id, seq.num_tokens, hit) if prioritized else 0
+            if whole > self.kv.num_free_blocks and not self._reclaim_from_waiting(seq, whole):
+                # Its prompt would not fit even once all its chunks ran: admitting it would only preempt
+                # others (or itself) chunk by chunk. It waits for room (the residency policy sees the
+                # demand); turns behind it that fit go ahead, until it has waited `starvation_s`.
+                self.num_wanted_blocks = max(self.num_wanted_blocks, whole)
+                if now_s is not None and now_s - seq.arrival_s < self.policy.starvation_s:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                break
             if self.kv.allocate(seq.request_id, start + num_new, hit) is None:
                 self.num_wanted_blocks = self.kv.num_blocks_required(seq.request_id, start + num_new, hit)
                 # Queued sequences behind this one may hold blocks (resumed sessions): take them back.

@@ -217,3 +217,42 @@ def test_no_sequence_starves_and_no_block_leaks(seed: int, policy: str, las: int
     assert all(s.is_finished for s in seqs), "a sequence starved"
     assert sched.kv.num_free_blocks == 24
     sched.kv.check_integrity()
+
+
+def test_a_prompt_that_cannot_fit_whole_waits_and_smaller_turns_go_ahead_until_it_starves() -> None:
+    """Admitting a prompt whose chunks will not all fit only preempts others (or itself) chunk by chunk: it
+    waits, with its whole need shown to the residency policy, while turns behind it that fit go ahead;
+    once it has waited `starvation_s`, nothing passes it."""
+    sched = create_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=8, starvation_s=5.0,
+                             preempt_after_s=100.0, prefix=False)
+    holder = create_seq(20, max_tokens=30, arrival_s=0.0)  # 5 blocks, growing
+    sched.add(holder)
+    for t in range(3):
+        run_step(sched, now_s=0.1 * t)
+    big = create_seq(28, arrival_s=1.0)  # 7 blocks: not with the holder's 5
+    small = create_seq(4, arrival_s=1.1)
+    sched.add(big)
+    sched.add(small)
+    plan, _ = run_step(sched, now_s=1.2)
+    assert small in [c.seq for c in plan.chunks] and big not in [c.seq for c in plan.chunks]
+    assert sched.num_wanted_blocks >= 7 and big.request_id not in sched.kv.block_tables
+    late = create_seq(4, arrival_s=6.5)
+    sched.add(late)
+    plan, _ = run_step(sched, now_s=6.5)  # the big prompt has waited 5.5 s: the queue stops at it
+    assert late not in [c.seq for c in plan.chunks]
+    while not big.is_finished:
+        run_step(sched, now_s=7.0)
+    sched.kv.check_integrity()
+
+
+def test_fcfs_admits_chunk_by_chunk_as_a_request_level_server_does() -> None:
+    sched = create_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=8, scheduling_policy="fcfs",
+                             prefix=False)
+    holder = create_seq(20, max_tokens=30, arrival_s=0.0)
+    sched.add(holder)
+    for t in range(3):
+        run_step(sched, now_s=0.1 * t)
+    big = create_seq(28, arrival_s=1.0)
+    sched.add(big)
+    plan, _ = run_step(sched, now_s=1.2)
+    assert big in [c.seq for c in plan.chunks]
