@@ -17,167 +17,36 @@ them out through the mover. One interface, chosen by name:
                device is more than half used (below that, holding costs nothing), and
                under pressure the farthest predicted next use first; prefetch
                so the KV is back just before the predicted resume; re-offload
-               when a prediction proves wrong
+               when a prediction proves wrong (core/predictive.py)
+
+The view and the actions are in core/residency_view.py.
 """
 
 from __future__ import annotations
 
-import heapq
-import math
-from dataclasses import dataclass, field
-from enum import Enum
-from functools import lru_cache
-from typing import NamedTuple, Protocol
+from dataclasses import dataclass
 
+from sessionserve.core.predictive import PredictivePolicy
+from sessionserve.core.residency_view import (
+    ActionKind,
+    MoveCosts,
+    ParkedSession,
+    ResidencyAction,
+    ResidencyPolicy,
+    ResidencyView,
+    ViewDelta,
+    pressure,
+)
 from sessionserve.core.session import Residency, Tier
-from sessionserve.core.wait_predictor import WaitPrediction
 
-
-class ParkedSession(NamedTuple):
-    session_id: str
-    residency: Residency
-    num_blocks: int  # device blocks the KV occupies (or will, once restored)
-    num_tokens: int  # computed tokens: what a drop would make us recompute
-    parked_s: float
-    predicted: WaitPrediction
-    # Of num_blocks on device, those that other live sequences read too (a fork's children, a shared
-    # prompt): they stay on device whatever happens to this session, so moving it does not free them.
-    num_shared_blocks: int = 0
-
-    @property
-    def num_freed_blocks(self) -> int:
-        """Device blocks that moving or dropping this session frees."""
-        return self.num_blocks - self.num_shared_blocks
-
-
-class MoveCosts(NamedTuple):
-    """Measured costs, one way, in seconds."""
-
-    host_s_per_block: float
-    disk_s_per_block: float
-    recompute_s_per_token: float
-
-
-class ResidencyView(NamedTuple):
-    now_s: float
-    parked: tuple[ParkedSession, ...]
-    num_device_blocks: int
-    num_free_device_blocks: int
-    # Blocks that queued requests need now and cannot get (0 when admission is not blocked).
-    num_wanted_device_blocks: int
-    num_free_host_blocks: int
-    num_free_disk_blocks: int
-    costs: MoveCosts
-    # Optional, for policies that keep per-session state between views: how `parked` differs from an
-    # earlier view's, as (that view's `parked`, entries new or changed since, ids of sessions gone since).
-    # None: not known (a policy compares the two itself).
-    delta: ViewDelta | None = None
-
-
-class ViewDelta(NamedTuple):
-    base: tuple[ParkedSession, ...]
-    changed: tuple[ParkedSession, ...]
-    gone: tuple[str, ...]
-
-
-class ActionKind(Enum):
-    OFFLOAD = "offload"
-    DROP = "drop"
-    PREFETCH = "prefetch"
-
-
-class ResidencyAction(NamedTuple):
-    kind: ActionKind
-    session_id: str
-    tier: Tier | None = None
-
-
-class ResidencyPolicy(Protocol):
-    name: str
-
-    def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
-        """Actions for this moment. Must not act on sessions that are OFFLOADING or RESTORING."""
-        ...
-
-    def next_decision_s(self, view: ResidencyView) -> float | None:
-        """For a view on which `decide` returns no action: the earliest time after `view.now_s` at
-        which it could return one with only `now_s` moved forward; None if the clock alone never
-        makes it act. Early is allowed (a wasted call), late is not: the engine skips `decide` until
-        then while nothing else changes."""
-        ...
+__all__ = ["POLICIES", "ActionKind", "DiscardPolicy", "KeepPolicy", "LeastWastePolicy", "MoveCosts",
+           "ParkedSession", "PredictivePolicy", "ResidencyAction", "ResidencyPolicy", "ResidencyView",
+           "TTLPolicy", "ViewDelta", "make_policy"]
 
 
 def _first_after(now_s: float, times: list[float]) -> float | None:
     later = [t for t in times if t > now_s]
     return min(later) if later else None
-
-
-def _remaining_after(p50_s: float, p90_s: float, waited_s: float) -> float:
-    """Expected time until resume after waiting `waited_s`, for a wait predicted at (p50, p90)."""
-    if waited_s < p50_s:
-        return p50_s - waited_s
-    if waited_s < p90_s:
-        return p90_s - waited_s
-    return waited_s  # past the 90th percentile of a heavy tail: expect about as long again
-
-
-@lru_cache(maxsize=1 << 14)
-def _above_pieces(p50_s: float, p90_s: float, threshold_s: float) -> tuple[tuple[float, bool], ...]:
-    """(start, is the expected remaining wait above `threshold_s` from there) for each piece of the
-    waited-time axis, the first from -inf.
-
-    `_remaining_after` is piecewise linear in the time waited: it falls from p50 to 0 over [0, p50),
-    from p90 - p50 over [p50, p90), then grows as the wait itself; so the comparison can only change
-    at a piece's end or where a piece meets the threshold. Sessions share predictions and sizes, so
-    the table is computed once per (p50, p90, threshold).
-    """
-    starts = sorted({w for w in (p50_s - threshold_s, p50_s, p90_s - threshold_s, p90_s, threshold_s)})
-    # The comparison is constant inside a piece: test it in the middle (at the boundary itself rounding
-    # could give the piece before).
-    out = [(-math.inf, _remaining_after(p50_s, p90_s, starts[0] - 1.0) > threshold_s)]
-    for w, w_next in zip(starts, [*starts[1:], starts[-1] + 2.0]):
-        out.append((w, _remaining_after(p50_s, p90_s, (w + w_next) / 2) > threshold_s))
-    return tuple(out)
-
-
-def _above_until(s: ParkedSession, now_s: float, threshold_s: float,
-                 acts_when: bool) -> tuple[bool, float | None, float | None]:
-    """Whether PredictivePolicy's expected remaining wait is above `threshold_s` at `now_s`, when that
-    next changes (None: never), and when it next turns to `acts_when` (the value on which the policy
-    acts for this session; None: never). Read off the pieces, boundaries included: a decision asked
-    for at a returned time sees the new value."""
-    pieces = _above_pieces(s.predicted.p50_s, s.predicted.p90_s, threshold_s)
-    parked_s = s.parked_s
-    k = 0
-    while k + 1 < len(pieces) and parked_s + pieces[k + 1][0] <= now_s:
-        k += 1
-    above = pieces[k][1]
-    until_s = acts_s = None
-    prev = above
-    for w, after in pieces[k + 1:]:
-        if after != prev:
-            if until_s is None:
-                until_s = parked_s + w
-            if after == acts_when:
-                acts_s = parked_s + w
-                break
-            prev = after
-    return above, until_s, acts_s
-
-
-class _Memo(NamedTuple):
-    """A session's state as PredictivePolicy last computed it (see `_PredictiveIndex`): valid for this
-    entry and the costs it was computed with, until `until_s`."""
-
-    entry: ParkedSession
-    above: bool
-    until_s: float | None
-    acts_s: float | None  # when the clock alone next makes this session one to act on
-
-
-def _pressure(view: ResidencyView) -> int:
-    """Device blocks to free now for queued work."""
-    return max(0, view.num_wanted_device_blocks - view.num_free_device_blocks)
 
 
 def _drop_until(candidates: list[ParkedSession], need: int) -> list[ResidencyAction]:
@@ -194,6 +63,7 @@ def _drop_until(candidates: list[ParkedSession], need: int) -> list[ResidencyAct
 
 def _on_device(view: ResidencyView) -> list[ParkedSession]:
     return [s for s in view.parked if s.residency is Residency.DEVICE]
+
 
 
 @dataclass(frozen=True)
@@ -213,7 +83,7 @@ class KeepPolicy:
 
     def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
         oldest_first = sorted(_on_device(view), key=lambda s: s.parked_s)
-        return tuple(_drop_until(oldest_first, _pressure(view)))
+        return tuple(_drop_until(oldest_first, pressure(view)))
 
     def next_decision_s(self, view: ResidencyView) -> float | None:
         return None
@@ -238,7 +108,7 @@ class TTLPolicy:
         freed = sum(s.num_freed_blocks for s in expired)
         rest = sorted((s for s in on_device if s not in expired),
                       key=lambda s: s.parked_s + self.ttl_s(s))  # closest to expiry first
-        actions += _drop_until(rest, _pressure(view) - freed)
+        actions += _drop_until(rest, pressure(view) - freed)
         return tuple(actions)
 
     def next_decision_s(self, view: ResidencyView) -> float | None:
@@ -267,7 +137,7 @@ class LeastWastePolicy:
 
     def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
         actions: list[ResidencyAction] = []
-        need = _pressure(view)
+        need = pressure(view)
         host_free = view.num_free_host_blocks
         kept: list[ParkedSession] = []
         for s in _on_device(view):
@@ -290,234 +160,6 @@ class LeastWastePolicy:
     def next_decision_s(self, view: ResidencyView) -> float | None:
         return None  # the predicted p50, costs and room: none moves with the clock
 
-
-class _PredictiveIndex:
-    """PredictivePolicy's per-session states, kept up to date from view to view in time proportional to
-    what changed: sessions whose entry is new (told apart by identity: the session manager builds a new
-    entry when a session changes) and sessions whose state the clock flipped since the last view.
-
-    Per session: whether its expected remaining wait is above its threshold (on device: long enough to
-    leave; off device: not yet due for its prefetch), until when that holds, and when the clock alone
-    next makes it one to act on. Sessions to act on without memory pressure (long waits on device, due
-    ones off it) are kept apart, so a view with none costs no walk over the parked sessions.
-    """
-
-    __slots__ = ("acts_off", "acts_on", "costs", "due", "flips", "ids", "long", "memo", "now_s", "parked", "seq")
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.memo: dict[str, _Memo] = {}
-        self.ids: dict[int, str] = {}  # id of each entry in `memo` (held there, so never reused) -> session
-        self.parked: tuple[ParkedSession, ...] | None = None  # the view's sessions as of the last sync
-        self.now_s = -math.inf
-        self.costs: MoveCosts | None = None
-        self.long: set[str] = set()  # on device, frees blocks, above its threshold
-        self.due: set[str] = set()  # off device, below its lead time
-        self.flips: list[tuple[float, int, _Memo]] = []  # (until_s, seq, memo): a state to compute again
-        # (acts_s, seq, memo) of sessions on device (turning long) and off it (coming due)
-        self.acts_on: list[tuple[float, int, _Memo]] = []
-        self.acts_off: list[tuple[float, int, _Memo]] = []
-        self.seq = 0
-
-    def sync(self, policy: PredictivePolicy, view: ResidencyView) -> None:
-        now, parked = view.now_s, view.parked
-        if parked is self.parked and now == self.now_s and view.costs == self.costs:
-            return  # (the view just decided on, asked for its next decision time)
-        if view.costs != self.costs or now < self.now_s:  # thresholds moved, or a view from the past
-            self.reset()
-            self.costs = view.costs
-        if parked is not self.parked:
-            delta = view.delta
-            if delta is not None and delta.base is self.parked:
-                for sid in delta.gone:
-                    self._drop(sid)
-                for s in delta.changed:
-                    self._drop(s.session_id)
-                    self._add(policy, s, now)
-            else:
-                cur = dict(zip(map(id, parked), parked))
-                ids = self.ids
-                for gone in ids.keys() - cur.keys():
-                    self._drop(ids[gone])
-                for key in cur.keys() - ids.keys():  # (a session's earlier entry is among the gone)
-                    self._add(policy, cur[key], now)
-            self.parked = parked
-        flips, memo = self.flips, self.memo
-        while flips and flips[0][0] <= now:
-            m = heapq.heappop(flips)[2]
-            if memo.get(m.entry.session_id) is m:
-                self._add(policy, m.entry, now)
-        self.now_s = now
-        if len(flips) + len(self.acts_on) + len(self.acts_off) > 4 * len(memo) + 64:  # stale heap items
-            self.flips, self.acts_on, self.acts_off = (
-                self._live(flips), self._live(self.acts_on), self._live(self.acts_off))
-
-    def _live(self, heap: list[tuple[float, int, _Memo]]) -> list[tuple[float, int, _Memo]]:
-        memo = self.memo
-        out = [x for x in heap if memo.get(x[2].entry.session_id) is x[2]]
-        heapq.heapify(out)
-        return out
-
-    def next_act_s(self, on_device: bool) -> float | None:
-        """The earliest time a session comes due off device, or (`on_device`) turns long on it."""
-        memo, out = self.memo, None
-        for acts in ((self.acts_off, self.acts_on) if on_device else (self.acts_off,)):
-            while acts and memo.get(acts[0][2].entry.session_id) is not acts[0][2]:
-                heapq.heappop(acts)
-            if acts and (out is None or acts[0][0] < out):
-                out = acts[0][0]
-        return out
-
-    def _drop(self, sid: str) -> None:
-        m = self.memo.pop(sid, None)
-        if m is not None:
-            self.ids.pop(id(m.entry), None)
-            self.long.discard(sid)
-            self.due.discard(sid)
-
-    def _add(self, policy: PredictivePolicy, s: ParkedSession, now_s: float) -> None:
-        sid, res, c = s.session_id, s.residency, self.costs
-        self.long.discard(sid)
-        self.due.discard(sid)
-        if res is Residency.DEVICE:
-            above, until_s, acts_s = _above_until(s, now_s, policy.keep_threshold_s(s, c), True)
-            if s.num_freed_blocks <= 0:
-                acts_s = None  # moving it frees nothing: only pressure acts on it
-            elif above:
-                self.long.add(sid)
-        elif res is Residency.HOST or res is Residency.DISK:
-            above, until_s, acts_s = _above_until(s, now_s, policy.lead_s(s, c), False)
-            if not above:
-                self.due.add(sid)
-        else:  # moving
-            above, until_s, acts_s = False, None, None
-        m = _Memo(s, above, until_s, acts_s)
-        self.memo[sid] = m
-        self.ids[id(s)] = sid
-        self.seq += 1
-        if until_s is not None:
-            heapq.heappush(self.flips, (until_s, self.seq, m))
-        if acts_s is not None:
-            heapq.heappush(self.acts_on if res is Residency.DEVICE else self.acts_off, (acts_s, self.seq, m))
-
-
-@dataclass(frozen=True)
-class PredictivePolicy:
-    """Belady-like: the session whose next use is predicted farthest leaves the device first."""
-
-    name: str = "predictive"
-    # Keep this share of device blocks free for running and arriving work; below
-    # it, parked sessions are moved off proactively.
-    low_watermark: float = 0.10
-    # Start a prefetch this many restore-times before the predicted resume.
-    prefetch_lead: float = 2.0
-    # Sessions larger than this share of the host tier's free room go to disk.
-    host_share: float = 0.5
-    # A wait shorter than this many host round trips (and this floor) stays on device:
-    # moving it out and back would cost more than holding it.
-    keep_round_trips: float = 4.0
-    keep_floor_s: float = 0.25
-    # Long waits leave at once only while the device is more than this share used: below it, holding
-    # them costs nobody anything, and a move out and back risks a late restore on the resume.
-    demote_above_usage: float = 0.5
-    # The sessions' states as of the last view (a cache: any view gets the answer a fresh policy gives).
-    _index: _PredictiveIndex = field(default_factory=_PredictiveIndex, init=False, repr=False, compare=False)
-
-    def remaining_s(self, s: ParkedSession, now_s: float) -> float:
-        """Expected time until resume, given how long it has already waited."""
-        return _remaining_after(s.predicted.p50_s, s.predicted.p90_s, now_s - s.parked_s)
-
-    def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
-        c, now = view.costs, view.now_s
-        reserve = int(self.low_watermark * view.num_device_blocks)
-        need = _pressure(view) + max(0, reserve - view.num_free_device_blocks)
-        if need > 0:  # moves out already under way free their blocks shortly: no second eviction for them
-            need -= sum(s.num_freed_blocks for s in view.parked if s.residency is Residency.OFFLOADING)
-        actions: list[ResidencyAction] = []
-        host_free, disk_free = view.num_free_host_blocks, view.num_free_disk_blocks
-        index = self._index
-        index.sync(self, view)
-        memo, parked = index.memo, view.parked
-
-        # Demote: farthest predicted next use first. On a device more than half used, long waits
-        # leave at once (NOTE: waiting for pressure means the next prefill finds no room and
-        # preempts running work, whose recompute costs more than the move); short ones only while
-        # memory is short.
-        # Sessions all of whose blocks others read (a fork's running children) go last and only under
-        # pressure: moving one frees nothing on its own.
-        # Without pressure only long waits act (ties in view order), and only on a device more than
-        # `demote_above_usage` used: the index holds them apart.
-        if need > 0:
-            candidates = [(s.num_freed_blocks <= 0, -self.remaining_s(s, now), i, s, memo[s.session_id].above)
-                          for i, s in enumerate(parked) if s.residency is Residency.DEVICE]
-        elif self._demotes(view):
-            candidates = [(False, -self.remaining_s(s, now), parked.index(s), s, True)
-                          for s in (memo[sid].entry for sid in index.long)]
-        else:
-            candidates = []
-        for _, neg_remaining, _, s, is_long in sorted(candidates):
-            if s.num_freed_blocks <= 0 and need <= 0:
-                continue
-            remaining = -neg_remaining
-            host_rt = 2 * c.host_s_per_block * s.num_blocks
-            if need <= 0 and not is_long:
-                continue  # (not break: the threshold grows with the session's size)
-            if need <= 0:
-                if host_free >= s.num_blocks:
-                    actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
-                    host_free -= s.num_blocks
-                continue
-            recompute_s = c.recompute_s_per_token * s.num_tokens
-            if host_free >= s.num_blocks and s.num_blocks <= max(1, self.host_share * host_free) \
-                    and host_rt < remaining:
-                actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
-                host_free -= s.num_blocks
-            elif disk_free >= s.num_blocks and 2 * c.disk_s_per_block * s.num_blocks < min(remaining, 4 * recompute_s):
-                actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.DISK))
-                disk_free -= s.num_blocks
-            elif host_free >= s.num_blocks:
-                actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
-                host_free -= s.num_blocks
-            else:
-                actions.append(ResidencyAction(ActionKind.DROP, s.session_id))
-            need -= s.num_freed_blocks
-
-        # Prefetch: soonest predicted resume first, into room above the watermark.
-        room = view.num_free_device_blocks - reserve - _pressure(view)
-        if index.due:
-            due = sorted((self.remaining_s(s, now), parked.index(s), s)
-                         for s in (memo[sid].entry for sid in index.due))
-            for _, _, s in due:
-                if s.num_blocks > room:
-                    continue
-                actions.append(ResidencyAction(ActionKind.PREFETCH, s.session_id))
-                room -= s.num_blocks
-        return tuple(actions)
-
-    def _demotes(self, view: ResidencyView) -> bool:
-        """Whether long waits leave the device without pressure: it is more than `demote_above_usage` used."""
-        return view.num_device_blocks - view.num_free_device_blocks > self.demote_above_usage * view.num_device_blocks
-
-    def keep_threshold_s(self, s: ParkedSession, c: MoveCosts) -> float:
-        """A predicted remaining wait above this leaves the device even without memory pressure."""
-        return max(self.keep_floor_s, self.keep_round_trips * 2 * c.host_s_per_block * s.num_blocks)
-
-    def lead_s(self, s: ParkedSession, c: MoveCosts) -> float:
-        """Prefetch once the predicted remaining wait is below this."""
-        per_block = c.host_s_per_block if s.residency is Residency.HOST else c.disk_s_per_block
-        return self.prefetch_lead * per_block * s.num_blocks + 0.05
-
-    def next_decision_s(self, view: ResidencyView) -> float | None:
-        if _pressure(view) > 0 or view.num_free_device_blocks < int(self.low_watermark * view.num_device_blocks):
-            return view.now_s
-        # With no action now, every long device session lacks host room (or the device is not used
-        # enough for them to leave) and every due one lacks device room, each on its own: that stays so
-        # in any order until the clock makes another session one to act on (a wait on device turning
-        # long, where they leave; one off device coming due).
-        self._index.sync(self, view)
-        return self._index.next_act_s(on_device=self._demotes(view))
 
 
 POLICIES: dict[str, type] = {
