@@ -199,13 +199,13 @@ def test_parked_entries_follow_the_predictor_within_the_tolerance(monkeypatch: p
     """The residency view re-predicts a parked session only when the predictor's median or tail for it
     moved past PREDICTION_TOLERANCE: at every view of a replay, every entry is that close to what the
     predictor says now, and entries do get refreshed while sessions wait (the predictor learns)."""
-    from sessionserve.core.session_manager import PREDICTION_TOLERANCE
+    from sessionserve.core.parked_entries import PREDICTION_TOLERANCE
 
     real_view = SessionManager.view
     counts = {"entries": 0, "refreshed": 0}
 
     def checked_view(self: SessionManager, now_s: float, num_wanted_blocks: int) -> residency.ResidencyView:
-        before = dict(self._entries)
+        before = {e.session_id: e for e in self._entries.parked}
         view = real_view(self, now_s, num_wanted_blocks)
         for e in view.parked:
             s = self.sessions[e.session_id]

@@ -13,23 +13,18 @@ from dataclasses import fields
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.core.kv_mover import KVMover, MoveDone, MoveKind
+from sessionserve.core.parked_entries import ParkedEntries
 from sessionserve.core.priority import priority_rank
-from sessionserve.core.residency import (
+from sessionserve.core.residency_view import (
     ActionKind,
     MoveCosts,
-    ParkedSession,
     ResidencyAction,
     ResidencyPolicy,
     ResidencyView,
-    ViewDelta,
 )
 from sessionserve.core.sequence import Sequence, SequenceStatus
 from sessionserve.core.session import Residency, Session, SessionState, SessionStats, Tier
-from sessionserve.core.wait_predictor import WaitPrediction, WaitPredictor
-
-# A parked session's wait prediction is refreshed when the predictor's quantiles for it moved by more than
-# this share (see SessionManager._refresh_predictions).
-PREDICTION_TOLERANCE = 0.05
+from sessionserve.core.wait_predictor import WaitPredictor
 
 
 class SessionBusyError(ValueError):
@@ -74,17 +69,7 @@ class SessionManager:
         # At most the last activity of the longest-idle session (exact after each expiry scan, lowered as
         # sessions go idle): sessions are scanned for expiry only once it is older than the TTL.
         self._oldest_idle_s: float | None = None
-        # The residency view's sessions, kept up to date per session: an entry is rebuilt when its session
-        # changed or its prediction moved, all of them when some block's sharing changed.
-        self._parked: tuple[ParkedSession, ...] = ()  # the view's sessions
-        self._delta: ViewDelta | None = None  # how they differ from the ones before
-        self._entries: dict[str, ParkedSession] = {}
-        # Sessions changed since the last view, in the order they first changed (a dict, not a set: the view's
-        # order must not depend on string hashing).
-        self._changed: dict[str, None] = {}
-        self._predictor_epoch = self._sharing_epoch = -1
-        # Per prediction key (tools, hint): the prediction parked sessions with that key are judged on.
-        self._prediction_refs: dict[tuple, WaitPrediction] = {}
+        self._entries = ParkedEntries(kv, self.predictor)  # the residency view's sessions
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -273,7 +258,7 @@ class SessionManager:
     def _touch(self, session_id: str) -> None:
         """Note that a session changed: the policy looks again, at a rebuilt entry for it."""
         self._version += 1
-        self._changed[session_id] = None
+        self._entries.touch(session_id)
 
     def _decision_due(self) -> float | None:
         if self._due_view is not None:
@@ -311,33 +296,8 @@ class SessionManager:
         self._oldest_idle_s = min(left) if left else None  # (the TTL may change: kept apart)
 
     def view(self, now_s: float, num_wanted_blocks: int) -> ResidencyView:
-        entries = self._entries
-        if self.kv.pool.num_sharing_changes != self._sharing_epoch:  # any entry's shared blocks may differ
-            self._sharing_epoch = self.kv.pool.num_sharing_changes
-            self._changed.update(dict.fromkeys(entries))
-        if self.predictor.num_observed != self._predictor_epoch:
-            self._predictor_epoch = self.predictor.num_observed
-            self._refresh_predictions()
-        if self._changed:
-            changed, gone = [], []
-            for sid in self._changed:
-                s = self.sessions.get(sid)
-                if s is not None and s.state is SessionState.PARKED and s.residency is not Residency.NONE:
-                    entry = ParkedSession(
-                        sid, s.residency, self._num_blocks(s), s.num_computed_tokens,
-                        s.parked_s if s.parked_s is not None else now_s,
-                        self._predict(s), self._num_shared_blocks(s))
-                    if entries.get(sid) != entry:  # an unchanged entry stays the same object
-                        entries[sid] = entry
-                        changed.append(entry)
-                elif entries.pop(sid, None) is not None:
-                    gone.append(sid)
-            self._changed.clear()
-            if changed or gone:
-                # In the order the sessions parked (ties in the policies' orders go to the earlier).
-                self._delta = ViewDelta(self._parked, tuple(changed), tuple(gone))
-                self._parked = tuple(entries.values())
-        parked = self._parked
+        self._entries.update(self.sessions, now_s)
+        parked = self._entries.parked
         wanted = num_wanted_blocks + sum(self._num_blocks(self.sessions[sid]) for sid in self._pending_restore)
         mover = self.mover
         return ResidencyView(
@@ -345,39 +305,7 @@ class SessionManager:
             num_free_device_blocks=self.kv.num_free_blocks, num_wanted_device_blocks=wanted,
             num_free_host_blocks=mover.num_free_blocks(Tier.HOST) if mover else 0,
             num_free_disk_blocks=mover.num_free_blocks(Tier.DISK) if mover else 0, costs=self.costs,
-            delta=self._delta)
-
-    def _refresh_predictions(self) -> None:
-        """The predictor learned. Parked sessions are judged on the prediction for their key (tools, hint)
-        as of the last refresh; it is renewed, and their entries rebuilt, once the predictor's median or
-        90th percentile for the key (what the policies read) moved by more than PREDICTION_TOLERANCE.
-        Each new wait nudges the quantiles a little; re-judging every parked session at each would cost
-        O(parked) per turn for a change the policies' timings do not resolve."""
-        refs, predict = self._prediction_refs, self.predictor.predict
-        moved = set()
-        for key, ref in refs.items():
-            p = predict(*key)
-            if abs(p.p50_s - ref.p50_s) > PREDICTION_TOLERANCE * ref.p50_s \
-                    or abs(p.p90_s - ref.p90_s) > PREDICTION_TOLERANCE * ref.p90_s:
-                moved.add(key)
-        if moved:
-            for key in moved:
-                refs[key] = predict(*key)
-            sessions = self.sessions
-            for sid in self._entries:
-                s = sessions.get(sid)
-                if s is not None and (s.waiting_tools, s.wait_hint_s) in moved:
-                    self._changed[sid] = None
-        if len(refs) > 2 * len(self._entries) + 64:  # keys no parked session has any more
-            keys = {(s.waiting_tools, s.wait_hint_s) for s in map(self.sessions.get, self._entries) if s}
-            self._prediction_refs = {k: v for k, v in refs.items() if k in keys}
-
-    def _predict(self, session: Session) -> WaitPrediction:
-        key = (session.waiting_tools, session.wait_hint_s)
-        p = self._prediction_refs.get(key)
-        if p is None:
-            p = self._prediction_refs[key] = self.predictor.predict(*key)
-        return p
+            delta=self._entries.delta)
 
     @property
     def num_blocked(self) -> int:
@@ -409,18 +337,6 @@ class SessionManager:
 
     def _num_blocks(self, session: Session) -> int:
         return self.kv.blocks_needed(session.num_computed_tokens)
-
-    def _num_shared_blocks(self, session: Session) -> int:
-        """Device blocks of the session that other sequences hold too. Sharing comes from prefix hits and
-        forks, so it is a prefix of the table: the leading run is counted, at the time of the view."""
-        table = self.kv.block_tables.get(session.kv_key) if session.residency is Residency.DEVICE else None
-        refs = self.kv.pool.ref_counts
-        n = 0
-        for block in table or ():
-            if refs[block] < 2:
-                break
-            n += 1
-        return n
 
     def _adopt(self, session: Session, seq: Sequence) -> None:
         """Give the session's device blocks to its running turn."""
