@@ -67,11 +67,19 @@ def test_step_costs_its_longest_call_not_the_sum(k: int) -> None:
 
 
 def test_sync_tools_are_not_limited_by_a_small_default_pool() -> None:
-    with make(sleepers()) as ex:
-        t0 = time.monotonic()
-        results, _ = run(ex, [PlannedCall(f"c{i}", "sleep_sync", {"ms": 100}) for i in range(16)])
-        assert all(r.is_ok for r in results)
-        assert time.monotonic() - t0 < 0.25  # asyncio's default pool (6 threads on 2 cores) would take 0.3 s
+    """16 sync tools of one step all run at once: each waits until all 16 have started (asyncio's default
+    pool, 6 threads on 2 cores, would leave 10 queued and the barrier would break)."""
+    barrier = threading.Barrier(16, timeout=10.0)
+    tools = ToolRegistry()
+
+    def meet() -> int:
+        return barrier.wait()
+
+    tools.add(meet)
+    with make(tools, backoff=Backoff(base_s=0.001, max_s=0.002, max_attempts=1)) as ex:
+        results, _ = run(ex, [PlannedCall(f"c{i}", "meet", {}) for i in range(16)])
+        assert all(r.is_ok for r in results), [r.error for r in results if not r.is_ok]
+        assert sorted(r.value for r in results) == list(range(16))
 
 
 def test_global_limit_one_runs_calls_one_after_another() -> None:
