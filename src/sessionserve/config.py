@@ -126,6 +126,13 @@ class SessionConfig:
     disk_kv_bytes: int = 0
     # Spool folder for the disk tier. None: a fresh folder under the system temp dir.
     spool_dir: str | None = None
+    # A folder that replicas share (local disk for replicas of one machine, or a network file system):
+    # finished requests' KV blocks are written there, and a request whose prefix is not on the device
+    # loads it from there. A session whose replica died continues elsewhere without recompute.
+    # None disables it.
+    kv_store_dir: str | None = None
+    # Budget of the shared folder in bytes (least recently used blocks are removed past it).
+    kv_store_bytes: int = 8 * GiB
     # Close sessions idle (parked, no turn) longer than this, freeing all their KV.
     session_idle_ttl_s: float = 600.0
     max_sessions: int = 10_000
@@ -133,6 +140,8 @@ class SessionConfig:
     def __post_init__(self) -> None:
         if self.host_kv_bytes < 0 or self.disk_kv_bytes < 0:
             raise ValueError("tier budgets must be >= 0")
+        if self.kv_store_bytes < 1:
+            raise ValueError("kv_store_bytes must be positive")
         if self.session_idle_ttl_s <= 0:
             raise ValueError("session_idle_ttl_s must be positive")
         if self.max_sessions < 1:

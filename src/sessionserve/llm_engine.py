@@ -17,12 +17,14 @@ from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.kv_layout import KVLayout
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.cache.mover import ThreadMover
+from sessionserve.cache.kv_store import KVStore, model_namespace
+from sessionserve.cache.kv_store_client import KVStoreClient
 from sessionserve.config import Config
 from sessionserve.core.engine import EngineCore
 from sessionserve.core.residency import MoveCosts, make_policy
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.core.sequence import Sequence, SequenceStatus
-from sessionserve.core.session import Session, Tier
+from sessionserve.core.session import Residency, Session, Tier
 from sessionserve.core.session_manager import SessionManager
 from sessionserve.core.spec import NgramProposer, Proposer, SpecPolicy
 from sessionserve.model.runner import ModelRunner
@@ -89,6 +91,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         eos = self.runner.arch.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id else ())
         self.mover = self._make_mover(config)
+        self.kv_store = self._make_kv_store(config)
         self.sessions = SessionManager(self.kv, self.mover, make_policy(config.session.residency_policy),
                                        idle_ttl_s=config.session.session_idle_ttl_s,
                                        max_sessions=config.session.max_sessions)
@@ -131,6 +134,11 @@ class LLMEngine:
             # Compile now (cached by spec): a bad schema is this request's 400, never a failed engine step.
             self.runner.grammar_compiler.compile(params.guided)
         seq = self.core.add_request(rid, ids, params, salt, session_id=session_id, priority=priority)
+        if self.kv_store is not None:
+            session = self.sessions.get(session_id) if session_id is not None else None
+            if session is None or session.residency is Residency.NONE:  # else its KV is here, or coming back
+                reusable = (len(seq.token_ids) - 1) // self.kv.block_size  # a hit leaves the last token to compute
+                self.kv_store.load(self.kv.block_hashes(rid, seq.token_ids, seq.salt)[:reusable])
         detok = None
         if stream or params.stop:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
@@ -165,6 +173,14 @@ class LLMEngine:
             spool = sc.spool_dir or tempfile.mkdtemp(prefix="sessionserve-spool-")
             disk = DiskTier(layout, spool, sc.disk_kv_bytes)
         return ThreadMover(self.runner.kv_caches, host, disk)
+
+    def _make_kv_store(self, config: Config) -> KVStoreClient | None:
+        sc = config.session
+        if sc.kv_store_dir is None or not config.cache.enable_prefix_caching:
+            return None
+        layout = KVLayout.from_kv_caches(self.runner.kv_caches)
+        store = KVStore(sc.kv_store_dir, model_namespace(self.model_dir, layout), layout, sc.kv_store_bytes)
+        return KVStoreClient(store, self.runner.kv_caches, self.kv.pool)
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -224,14 +240,18 @@ class LLMEngine:
             usage["host_blocks_used"] = self.mover.host.num_blocks - self.mover.host.num_free_blocks
         if self.mover is not None and self.mover.disk is not None:
             usage["disk_bytes_used"] = self.mover.disk.used_bytes
+        if self.kv_store is not None:
+            usage["store_bytes_used"] = self.kv_store.store.used_bytes
         for residency, n in self.sessions.residency_counts().items():
             usage[f"sessions_{residency}"] = n
         return usage
 
     def close(self) -> None:
-        """Stop the mover and release stored KV copies."""
+        """Stop the mover and release stored KV copies; write what is queued for the shared tier."""
         if self.mover is not None:
             self.mover.close()
+        if self.kv_store is not None:
+            self.kv_store.close()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks. False if unknown or finished."""
@@ -263,6 +283,9 @@ class LLMEngine:
             outputs.append(self._output(tracked, delta, step_out.new_token_ids))
             if seq.is_finished:
                 del self._tracked[seq.request_id]
+                if self.kv_store is not None:
+                    self.kv_store.export(self.kv.block_hashes(None, seq.token_ids[:seq.num_computed_tokens],
+                                                               seq.salt))
         return outputs
 
     def _output(self, tracked: _Tracked, delta: str, new_ids: list[int]) -> RequestOutput:

@@ -138,8 +138,16 @@ def _kill_replica(app_name: str, replica_id: str) -> None:
 LONG_TURN = {"max_tokens": 300, "ignore_eos": True}
 
 
-def test_killed_replica_loses_no_session_and_output_is_unchanged(cluster: Cluster) -> None:
+def test_killed_replica_loses_no_session_and_output_is_unchanged(cluster: Cluster, tiny_llama: Path,
+                                                                 tmp_path: Path) -> None:
     app = cluster.ours
+    # The replicas share a KV store folder: whoever continues a session reads its history's KV from there.
+    opts = ServeOptions(num_replicas=2, model=str(tiny_llama), model_name="tiny",
+                        engine_kwargs={**ENGINE, "kv_store_dir": str(tmp_path / "kv-store")},
+                        store_url=f"sqlite://{app.store.path}", router="session_kv", replica_num_cpus=0,
+                        routing_stats_period_s=0.2)
+    serve.run(build_app(opts), name="ours", route_prefix="/ours")
+    _wait_running("ours", 2)
     users = ["Plan a three-day trip to Lisbon.", "Now make it cheaper.", "Write the final itinerary."]
 
     def turn(history: list[dict], sid: str, last: bool) -> dict:
@@ -163,7 +171,8 @@ def test_killed_replica_loses_no_session_and_output_is_unchanged(cluster: Cluste
         assert reply["choices"] == ref_replies[i]["choices"]
         history.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
     history.append({"role": "user", "content": users[2]})
-    victim = app.store.get("default/fo").owner
+    held = app.store.get("default/fo")  # two turns, on the replica about to die
+    victim = held.owner
     # Kill the session's replica while its last turn is generating.
     from concurrent.futures import ThreadPoolExecutor
 
@@ -180,7 +189,11 @@ def test_killed_replica_loses_no_session_and_output_is_unchanged(cluster: Cluste
     assert rec.token_ids == reference.token_ids
     stats = app.stats()
     assert stats["router"]["num_failovers"] >= 1 and victim in stats["router"]["dead_replicas"]
-    assert stats["replicas"][rec.owner]["num_sessions_adopted"] >= 1
+    heir = stats["replicas"][rec.owner]
+    assert heir["num_sessions_adopted"] >= 1
+    # The history (two finished turns) came from the KV store: at most its last partial block was recomputed.
+    assert heir["kv_store_num_blocks_loaded"] >= len(held.token_ids) // 16 > 0
+    assert heir["num_tokens_recomputed"] < 16, heir
     deadline = time.monotonic() + 90  # Serve replaces the dead replica
     while time.monotonic() < deadline:
         live = app.stats()["replicas"]

@@ -81,6 +81,78 @@ def _unlink_quietly(path: Path) -> None:
         logger.warning("could not remove KV spool file %s: %s", path, exc)
 
 
+def _header(layout: KVLayout, num_blocks: int, payload_bytes: int) -> bytes:
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, num_blocks, _dtype_name(layout.dtype).encode("ascii"),
+                        layout.num_layers, layout.num_kv_heads, layout.block_size, layout.head_dim, payload_bytes)
+
+
+def write_kv_file(path: Path, layout: KVLayout, data: torch.Tensor) -> None:
+    """Write block group `data` (n, L, 2, Hkv, bs, D) to `path`, atomically.
+
+    Written under a temp name unique to this writer and renamed, so no partial
+    file is ever visible under `path`, also with other processes writing the
+    same path. Raises OSError on failure, leaving no temp file behind.
+    """
+    payload = data.to("cpu", layout.dtype).contiguous()
+    payload_view = _byte_view(payload)
+    header = _header(layout, data.shape[0], len(payload_view))
+    crc = zlib.crc32(payload_view, zlib.crc32(header))
+    tmp_path = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_fully(fd, memoryview(header + _CRC.pack(crc)))
+            _write_fully(fd, payload_view)
+        finally:
+            os.close(fd)
+        os.replace(tmp_path, path)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def read_kv_file(path: Path, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    """The `num_blocks` block group stored at `path`, as a new CPU tensor in the layout dtype.
+
+    Raises CorruptKVError if the file is missing, has the wrong size, a header
+    that does not match `layout` and `num_blocks`, or a bad checksum; other I/O
+    errors propagate as OSError.
+    """
+    size_bytes = HEADER_BYTES + num_blocks * layout.block_bytes
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise CorruptKVError(f"KV file {path.name} is missing") from exc
+    try:
+        file_bytes = os.fstat(fd).st_size
+        if file_bytes != size_bytes:
+            raise CorruptKVError(f"KV file {path.name} has {file_bytes} bytes, expected {size_bytes}")
+        header_and_crc = os.read(fd, HEADER_BYTES)
+        out = torch.empty(layout.group_shape(num_blocks), dtype=layout.dtype)
+        out_view = _byte_view(out)
+        if len(header_and_crc) != HEADER_BYTES or _read_into(fd, out_view) != len(out_view):
+            raise CorruptKVError(f"KV file {path.name} is truncated")
+    finally:
+        os.close(fd)
+    header, (stored_crc,) = header_and_crc[:_HEADER.size], _CRC.unpack(header_and_crc[_HEADER.size:])
+    if header != _header(layout, num_blocks, len(out_view)):
+        raise CorruptKVError(f"KV file {path.name} has a mismatched header")
+    if zlib.crc32(out_view, zlib.crc32(header)) != stored_crc:
+        raise CorruptKVError(f"KV file {path.name} fails its checksum")
+    return out
+
+
+def _read_into(fd: int, view: memoryview) -> int:
+    """Fill `view` from `fd`; returns bytes read (less than len(view) only at EOF)."""
+    offset = 0
+    while offset < len(view):
+        num_read = os.readv(fd, [view[offset:offset + _CHUNK_BYTES]])
+        if num_read == 0:
+            break
+        offset += num_read
+    return offset
+
+
 class DiskTier:
     """Budgeted spool of block-group files in `spool_dir`.
 
@@ -146,22 +218,7 @@ class DiskTier:
         with self._lock:
             if handle.path not in self._reserved:
                 raise ValueError("write to a disk handle that is not reserved")
-        payload = data.to("cpu", self.layout.dtype).contiguous()
-        payload_view = _byte_view(payload)
-        header = self._header(handle.num_blocks, len(payload_view))
-        crc = zlib.crc32(payload_view, zlib.crc32(header))
-        tmp_path = handle.path.with_name(handle.path.name + ".tmp")
-        try:
-            fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                _write_fully(fd, memoryview(header + _CRC.pack(crc)))
-                _write_fully(fd, payload_view)
-            finally:
-                os.close(fd)
-            os.replace(tmp_path, handle.path)
-        except BaseException:
-            tmp_path.unlink(missing_ok=True)
-            raise
+        write_kv_file(handle.path, self.layout, data)
         with self._lock:
             if handle.path in self._reserved:
                 self._written.add(handle.path)
@@ -176,31 +233,10 @@ class DiskTier:
         wrong size, a header that does not match the handle and layout, or a
         bad checksum; other I/O errors propagate as OSError.
         """
-        try:
-            fd = os.open(handle.path, os.O_RDONLY)
-        except FileNotFoundError as exc:
-            raise CorruptKVError(f"spool file {handle.path.name} is missing") from exc
-        try:
-            file_bytes = os.fstat(fd).st_size
-            if file_bytes != handle.size_bytes:
-                raise CorruptKVError(f"spool file {handle.path.name} has {file_bytes} bytes, "
-                                     f"expected {handle.size_bytes}")
-            header_and_crc = os.read(fd, HEADER_BYTES)
-            out = torch.empty(self.layout.group_shape(handle.num_blocks), dtype=self.layout.dtype)
-            out_view = _byte_view(out)
-            if len(header_and_crc) != HEADER_BYTES or self._read_into(fd, out_view) != len(out_view):
-                raise CorruptKVError(f"spool file {handle.path.name} is truncated")
-        finally:
-            os.close(fd)
-        header, (stored_crc,) = header_and_crc[:_HEADER.size], _CRC.unpack(header_and_crc[_HEADER.size:])
-        if header != self._header(handle.num_blocks, len(out_view)):
-            raise CorruptKVError(f"spool file {handle.path.name} has a mismatched header")
-        if zlib.crc32(out_view, zlib.crc32(header)) != stored_crc:
-            raise CorruptKVError(f"spool file {handle.path.name} fails its checksum")
-        return out
+        return read_kv_file(handle.path, self.layout, handle.num_blocks)
 
     def free(self, handle: DiskHandle) -> None:
-        """Delete `handle`'s file (and any temp file) and release its budget.
+        """Delete `handle`'s file and release its budget.
 
         Idempotent: freeing an already freed handle does nothing. Never raises
         for a file it cannot delete (logged; the budget is released anyway).
@@ -210,8 +246,7 @@ class DiskTier:
                 return
             self._written.discard(handle.path)
             self._used_bytes -= handle.size_bytes
-        for path in (handle.path, handle.path.with_name(handle.path.name + ".tmp")):
-            _unlink_quietly(path)
+        _unlink_quietly(handle.path)
 
     def close(self) -> None:
         """Free every handle, removing every file this tier wrote. The tier stays usable."""
@@ -219,20 +254,3 @@ class DiskTier:
             handles = list(self._reserved.values())
         for handle in handles:
             self.free(handle)
-
-    def _header(self, num_blocks: int, payload_bytes: int) -> bytes:
-        layout = self.layout
-        return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, num_blocks,
-                            _dtype_name(layout.dtype).encode("ascii"), layout.num_layers,
-                            layout.num_kv_heads, layout.block_size, layout.head_dim, payload_bytes)
-
-    @staticmethod
-    def _read_into(fd: int, view: memoryview) -> int:
-        """Fill `view` from `fd`; returns bytes read (less than len(view) only at EOF)."""
-        offset = 0
-        while offset < len(view):
-            num_read = os.readv(fd, [view[offset:offset + _CHUNK_BYTES]])
-            if num_read == 0:
-                break
-            offset += num_read
-        return offset

@@ -45,6 +45,8 @@ class Metrics:
         self.implicit = Gauge("sessionserve_implicit_sessions",
                               "Requests without a session id: requests, hits (continued a live session), forks, "
                               "opened, evicted, open", labels + ["what"], registry=r)
+        self.kv_store = Gauge("sessionserve_kv_store_blocks", "KV store folder (shared by replicas): blocks "
+                              "written, loaded (not recomputed), dropped (not written)", labels + ["what"], registry=r)
         self.prefetch = Gauge("sessionserve_session_restores", "Session KV restores by outcome",
                               labels + ["outcome"], registry=r)
         self.spec_tokens = Gauge("sessionserve_spec_decode_tokens",
@@ -102,6 +104,11 @@ class Metrics:
         self.prefetch.labels(m, "hit").set(total.num_prefetch_hits)
         self.prefetch.labels(m, "late").set(total.num_prefetch_late)
         self.prefetch.labels(m, "miss").set(total.num_restore_misses)
+        store = getattr(eng, "kv_store", None)
+        if store is not None:
+            st = store.stats
+            for what in ("written", "loaded", "dropped"):
+                self.kv_store.labels(m, what).set(getattr(st, f"num_blocks_{what}"))
 
     def sample_implicit(self, implicit, model: str | None = None) -> None:  # noqa: ANN001 - ImplicitSessions
         m = model or self.model

@@ -14,10 +14,14 @@ session store current:
   409 session_busy instead of a reply the history does not contain.
 
 A session this replica does not hold continues from what the client sends
-(the OpenAI API resends the conversation): its prompt is recomputed here, and
-the store's token ids say how much that was. Draining (`__del__`, which Serve
-calls on scale-down after in-flight requests finish) releases this replica's
-sessions in the store, so their next turns route as new.
+(the OpenAI API resends the conversation). With a KV store folder
+(`kv_store_dir`, one all replicas reach) its history's KV is read from there,
+since every replica writes its finished turns' blocks through; otherwise, or
+for what the folder lacks, the history is prefilled again here
+(`num_tokens_recomputed`). Draining (`__del__`, which Serve calls on
+scale-down after in-flight requests finish) writes out what is queued for the
+shared folder and releases this replica's sessions in the store, so their
+next turns route as new.
 """
 
 from __future__ import annotations
@@ -143,9 +147,9 @@ class EngineReplica:
                                               (b"x-sessionserve-replayed", b"1")]}
             yield before.last_response.encode()
             return
-        if key and before is not None and before.owner != self.replica_id:
+        adopted = key is not None and before is not None and before.owner != self.replica_id
+        if adopted:
             self.counters.num_sessions_adopted += 1
-            self.counters.num_tokens_recomputed += len(before.token_ids)
         status, headers, chunks = 500, [], []
         for attempt in range(MAX_BUSY_RETRIES + 1):
             if key:
@@ -178,7 +182,7 @@ class EngineReplica:
             break
         body = b"".join(chunks)
         if status == 200:
-            conflict = await self._after(req, key, before, None if req.is_stream else body)
+            conflict = await self._after(req, key, before, None if req.is_stream else body, adopted)
             if conflict and not req.is_stream:
                 status, body = 409, json.dumps({"error": {
                     "message": "The session advanced on another replica during this turn; retry it.",
@@ -203,7 +207,7 @@ class EngineReplica:
             await asyncio.sleep(0.01)
 
     async def _after(self, req: RoutedRequest, key: str | None, before: SessionRecord | None,
-                     response: bytes | None) -> bool:
+                     response: bytes | None, adopted: bool = False) -> bool:
         """Bring the store up to date after a successful request. Returns True on a CAS conflict."""
         if req.method == "DELETE" and req.session_key and req.path.startswith("/v1/sessions/"):
             self.store.delete(req.session_key)
@@ -213,13 +217,17 @@ class EngineReplica:
         if key is None:
             return False
 
-        def snapshot(eng: Any) -> tuple[tuple[int, ...], str] | None:
+        def snapshot(eng: Any) -> tuple[tuple[int, ...], str, int] | None:
             s = eng.get_session(key)
-            return (tuple(s.token_ids), s.residency.value) if s is not None else None
+            if s is None:
+                return None
+            return tuple(s.token_ids), s.residency.value, s.stats.num_prompt_tokens - s.stats.num_computed_prompt_tokens
 
         snap = await self.bridge.call(snapshot)
         if snap is None:
             return False
+        if adopted and before is not None:  # the session's first turn here: what it found cached, it did not redo
+            self.counters.num_tokens_recomputed += max(0, len(before.token_ids) - snap[2])
         base = before or SessionRecord(key, req.tenant)
         new = replace(base, token_ids=snap[0], messages=req.messages or base.messages, owner=self.replica_id,
                       tier=snap[1], last_turn_hash=req.turn_hash if req.path in TURN_PATHS else base.last_turn_hash,
@@ -243,6 +251,8 @@ class EngineReplica:
 
         stats = await self.bridge.call(read)
         stats.update(vars(self.counters))
+        if self.engine.kv_store is not None:
+            stats.update({f"kv_store_{k}": v for k, v in vars(self.engine.kv_store.stats).items()})
         stats["replica_id"] = self.replica_id
         return stats
 
@@ -252,6 +262,8 @@ class EngineReplica:
     async def __del__(self) -> None:
         """Drain on scale-down: Serve has let in-flight requests finish; hand the sessions back."""
         try:
+            if self.engine.kv_store is not None:
+                await asyncio.to_thread(self.engine.kv_store.flush, 10.0)
             released = self.store.release(self.replica_id)
             self.counters.num_sessions_released += len(released)
             logger.info("replica %s released %d sessions", self.replica_id, len(released))

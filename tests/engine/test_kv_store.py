@@ -1,0 +1,114 @@
+"""The KV store folder on a tiny model: another engine continues a session from it, output unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sessionserve import LLMEngine, SamplingParams
+from sessionserve.config import Config
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def engine(model: Path, shared: Path | None, **kwargs) -> LLMEngine:
+    opts = dict(num_blocks=64, block_size=16, host_kv_bytes=0, residency_policy="keep",
+                kv_store_dir=str(shared) if shared else None)
+    opts.update(kwargs)
+    return LLMEngine(Config.from_kwargs(**opts), model)
+
+
+def run(eng: LLMEngine, prompt: list[int], **kwargs) -> tuple[list[int], int]:
+    rid = eng.add_request(prompt, GREEDY, **kwargs)
+    for _ in range(500):
+        for out in eng.step():
+            if out.request_id == rid and out.finished:
+                return out.token_ids, out.num_cached_tokens
+    raise AssertionError("request did not finish")
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(50, 16000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_session_continues_on_another_engine_from_the_shared_folder(tiny_llama: Path, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    first, second = prompt(1, 150), prompt(2, 40)
+    # The uninterrupted session, on an engine without the shared tier.
+    ref = engine(tiny_llama, None)
+    sid = ref.open_session()
+    out1, _ = run(ref, first, session_id=sid)
+    ref_out2, _ = run(ref, second, session_id=sid)
+
+    a = engine(tiny_llama, shared)
+    sid = a.open_session()
+    assert run(a, first, session_id=sid)[0] == out1
+    assert a.kv_store.flush()
+    written = a.kv_store.stats.num_blocks_written
+    assert written == (150 + 12 - 1) // 16  # every full computed block of the turn
+    history = a.get_session(sid).token_ids
+    # The replica that held the session is gone; another one gets the whole history as a new session.
+    b = engine(tiny_llama, shared)
+    sid_b = b.open_session()
+    out2, cached = run(b, history + second, session_id=sid_b)
+    assert out2 == ref_out2  # greedy: the same tokens as the uninterrupted session
+    assert cached == written * 16  # the history came from the folder, not from a prefill
+    assert b.kv_store.stats.num_blocks_loaded == written
+    b.close_session(sid_b)
+    b.kv.check_integrity()
+    assert b.kv.pool.num_used_blocks == 0
+    a.close(), b.close()
+
+
+def test_loads_nothing_across_tenants_and_without_a_matching_prefix(tiny_llama: Path, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    a = engine(tiny_llama, shared)
+    p = prompt(3, 100)
+    run(a, p, salt=b"tenant-a")
+    assert a.kv_store.flush()
+    b = engine(tiny_llama, shared)
+    assert run(b, p + [7], salt=b"tenant-b")[1] == 0  # another tenant's blocks are other names
+    assert run(b, prompt(4, 100))[1] == 0
+    assert b.kv_store.stats.num_blocks_loaded == 0
+    assert run(b, p + [7], salt=b"tenant-a")[1] == 96  # the same tenant: 6 full blocks
+    a.close(), b.close()
+
+
+def test_load_stops_at_free_memory_and_output_is_unchanged(tiny_llama: Path, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    a = engine(tiny_llama, shared)
+    p = prompt(5, 400)
+    ref_out, _ = run(engine(tiny_llama, None), p + [9])
+    run(a, p)
+    assert a.kv_store.flush()
+    # A device of 30 blocks (400 tokens need 26): another request holds 12, so at most 18 can be loaded.
+    b = engine(tiny_llama, shared, num_blocks=30)
+    hog = b.add_request(prompt(6, 180), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    b.step()
+    assert b.kv.pool.num_free_blocks == 30 - 12
+    rid = b.add_request(p + [9], GREEDY)
+    assert b.kv_store.stats.num_blocks_loaded == 18
+    b.abort(hog)
+    for _ in range(500):
+        outs = {o.request_id: o for o in b.step()}
+        if rid in outs and outs[rid].finished:
+            assert outs[rid].token_ids == ref_out
+            assert outs[rid].num_cached_tokens == 18 * 16
+            break
+    b.kv.check_integrity()
+    assert b.kv.pool.num_used_blocks == 0
+    a.close(), b.close()
+
+
+def test_unwritable_folder_drops_blocks_and_serving_goes_on(tiny_llama: Path, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    a = engine(tiny_llama, shared)
+    ns = a.kv_store.store.dir  # (the tests run as root, which file modes do not stop)
+    for name in [f"{i:02x}" for i in range(256)]:
+        (ns / name).write_text("not a folder")  # every block's subfolder is taken by a file
+    out, _ = run(a, prompt(7, 60))
+    assert len(out) == 12
+    assert a.kv_store.flush()
+    assert a.kv_store.stats.num_blocks_written == 0 and a.kv_store.stats.num_blocks_dropped == (60 + 12 - 1) // 16
+    a.close()
