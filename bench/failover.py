@@ -43,7 +43,7 @@ def pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def main() -> None:
@@ -94,7 +94,7 @@ def main() -> None:
     kv_dir = Path(tempfile.mkdtemp(prefix="sessionserve-kv-store-"))
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * MiB,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(args.threads)}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT / "src")}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
 
@@ -156,7 +156,8 @@ def main() -> None:
                "adopted": sum(r.get("num_sessions_adopted", 0) for r in heirs),
                "store_blocks_loaded": sum(r.get("kv_store_num_blocks_loaded", 0) for r in heirs),
                "sessions_per_hour": summary["sessions_per_hour"], "jct_p50_s": summary["jct_p50_s"],
-               "jct_p99_s": summary["jct_p99_s"], "failed": summary["num_failed"]}
+               "jct_p99_s": summary["jct_p99_s"], "failed": summary["num_failed"],
+               "errors": [f"{x.session_id}: {x.error}" for x in result.sessions if x.error][:5]}
         (out / f"{name}-{round_no}-router-stats.json").write_text(json.dumps(final, indent=1))
         print(json.dumps(row), flush=True)
         return row
@@ -174,12 +175,13 @@ def main() -> None:
     def f(x: float | None, fmt: str = ".2f") -> str:
         return "n/a" if x is None else format(x, fmt)
 
-    lines = ["| round | app | victim's sessions | their first TTFT after the kill p50 / max s | TTFT p50 / p99 after "
-             "the kill s | history tokens recomputed | blocks from the store | sessions/h | JCT p50 / p99 s | failed |",
+    lines = [("| round | app | victim's sessions | their first TTFT after the kill p50 / max s | TTFT p50 / p99 after "
+              "the kill s | history tokens recomputed | blocks from the store | sessions/h | JCT p50 / p99 s | failed |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a = r["adopted_ttft"]
-        lines.append(f"| {r['round']} | {r['app']} | {r['victim_sessions']} | {f(pct(a, 0.5))} / "
+        lines.append(f"| {r['round']} | {r['app']} | {r['victim_sessions']} | "
+                     f"{f(statistics.median(a) if a else None)} / "
                      f"{f(max(a) if a else None)} | {f(r['after_ttft_p50'])} / {f(r['after_ttft_p99'])} | "
                      f"{r['recomputed_tokens']} | {r['store_blocks_loaded']} | {f(r['sessions_per_hour'], '.1f')} | "
                      f"{f(r['jct_p50_s'])} / {f(r['jct_p99_s'])} | {r['failed']} |")

@@ -16,9 +16,9 @@ from sessionserve.cache.disk_tier import DiskTier
 from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.kv_layout import KVLayout
 from sessionserve.cache.kv_manager import KVCacheManager
-from sessionserve.cache.mover import ThreadMover
 from sessionserve.cache.kv_store import KVStore, model_namespace
 from sessionserve.cache.kv_store_client import KVStoreClient
+from sessionserve.cache.mover import ThreadMover
 from sessionserve.config import Config
 from sessionserve.core.engine import EngineCore
 from sessionserve.core.residency import MoveCosts, make_policy

@@ -7,6 +7,7 @@ One Ray cluster and one Serve instance for the module; two apps on it: ours
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,6 +74,12 @@ def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def kv_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A KV store folder for the tests that redeploy /ours with one (all of its replicas share it)."""
+    return tmp_path_factory.mktemp("kv-store")
+
+
 def _turn(history: list[dict], reply: dict, user: str) -> list[dict]:
     return history + [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
                       {"role": "user", "content": user}]
@@ -131,6 +138,17 @@ def _wait_running(app_name: str, num: int, timeout_s: float = 90) -> None:
     raise RuntimeError(f"{app_name}: not {num} running replicas: {dep.replica_states}")
 
 
+def _wait_replaced(app: App, victim: str, timeout_s: float = 90) -> None:
+    """Until Serve replaced the dead replica and the router hears from both."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        live = app.stats()["replicas"]
+        if victim not in live and len(live) == 2:
+            break
+        time.sleep(0.2)
+    _wait_running("ours", 2)
+
+
 def _kill_replica(app_name: str, replica_id: str) -> None:
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{app_name}#Engine#{replica_id}", namespace="serve"), no_restart=True)
 
@@ -139,11 +157,11 @@ LONG_TURN = {"max_tokens": 300, "ignore_eos": True}
 
 
 def test_killed_replica_loses_no_session_and_output_is_unchanged(cluster: Cluster, tiny_llama: Path,
-                                                                 tmp_path: Path) -> None:
+                                                                 kv_store: Path) -> None:
     app = cluster.ours
     # The replicas share a KV store folder: whoever continues a session reads its history's KV from there.
     opts = ServeOptions(num_replicas=2, model=str(tiny_llama), model_name="tiny",
-                        engine_kwargs={**ENGINE, "kv_store_dir": str(tmp_path / "kv-store")},
+                        engine_kwargs={**ENGINE, "kv_store_dir": str(kv_store)},
                         store_url=f"sqlite://{app.store.path}", router="session_kv", replica_num_cpus=0,
                         routing_stats_period_s=0.2)
     serve.run(build_app(opts), name="ours", route_prefix="/ours")
@@ -194,26 +212,58 @@ def test_killed_replica_loses_no_session_and_output_is_unchanged(cluster: Cluste
     # The history (two finished turns) came from the KV store: at most its last partial block was recomputed.
     assert heir["kv_store_num_blocks_loaded"] >= len(held.token_ids) // 16 > 0
     assert heir["num_tokens_recomputed"] < 16, heir
-    deadline = time.monotonic() + 90  # Serve replaces the dead replica
-    while time.monotonic() < deadline:
-        live = app.stats()["replicas"]
-        if victim not in live and len(live) == 2:
-            break
-        time.sleep(0.2)
-    _wait_running("ours", 2)
+    _wait_replaced(app, victim)
 
 
-def test_scale_down_drains_sessions_to_the_remaining_replica(cluster: Cluster, tiny_llama: Path) -> None:
+def test_stream_cut_by_a_kill_continues_on_another_replica(cluster: Cluster) -> None:
+    app = cluster.ours  # deployed by the test above, with the KV store folder
+    history = [{"role": "user", "content": "Describe a lighthouse."}]
+    reply = app.chat(history, session="st", max_tokens=12)
+    history += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Now describe the keeper, at length."}]
+    body = {"model": "tiny", "messages": history, "temperature": 0, **LONG_TURN}
+    reference = httpx.post(f"{app.url}/v1/chat/completions", json=body, timeout=120).json()
+    expected = reference["choices"][0]["message"]["content"]
+    victim = app.store.get("default/st").owner
+    resumed_before = app.stats()["ingress"]["num_streams_resumed"]
+    text, ids, events = "", set(), []
+    with httpx.stream("POST", f"{app.url}/v1/chat/completions", headers={"x-session-id": "st"},
+                      json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            obj = json.loads(line[6:])
+            assert "error" not in obj, obj
+            events.append(obj)
+            ids.add(obj["id"])
+            text += "".join(c["delta"].get("content") or "" for c in obj["choices"])
+            if len(events) == 6:
+                _kill_replica("ours", victim)  # the stream has begun: 5 chunks of output are out
+    assert text == expected  # greedy: the rerun's tail continues the delivered head exactly
+    assert len(ids) == 1 and sum(1 for e in events for c in e["choices"] if "role" in c["delta"]) == 1
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    stats = app.stats()
+    assert stats["ingress"]["num_streams_resumed"] == resumed_before + 1
+    rec = app.store.get("default/st")
+    assert rec.owner not in (None, victim) and rec.version == 2  # the cut turn committed once, on the heir
+    _wait_replaced(app, victim)
+
+
+def test_scale_down_drains_sessions_to_the_remaining_replica(cluster: Cluster, tiny_llama: Path,
+                                                            kv_store: Path) -> None:
     app = cluster.ours
     sessions = {}
     for i in range(4):
         sessions[f"dr-{i}"] = [{"role": "user", "content": f"Drain session {i}: summarise the news."}]
-        app.chat(sessions[f"dr-{i}"], session=f"dr-{i}")
+        reply = app.chat(sessions[f"dr-{i}"], session=f"dr-{i}")
+        sessions[f"dr-{i}"].append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
     old = set(app.stats()["replicas"])
     assert len(old) == 2 and all(app.store.owned_by(r) for r in old)
     # NOTE: `serve.run` from Python rolls out new replicas (Serve versions the code per run); each old one
     # stops gracefully, which is the path a scale-down takes too: in-flight requests finish, then `__del__`.
-    opts = ServeOptions(num_replicas=1, model=str(tiny_llama), model_name="tiny", engine_kwargs=ENGINE,
+    opts = ServeOptions(num_replicas=1, model=str(tiny_llama), model_name="tiny",
+                        engine_kwargs={**ENGINE, "kv_store_dir": str(kv_store)},
                         store_url=f"sqlite://{app.store.path}", router="session_kv", replica_num_cpus=0,
                         routing_stats_period_s=0.2)
     serve.run(build_app(opts), name="ours", route_prefix="/ours")
@@ -221,14 +271,23 @@ def test_scale_down_drains_sessions_to_the_remaining_replica(cluster: Cluster, t
     for r in old:
         assert app.store.owned_by(r) == []  # each stopped replica handed its sessions back
     assert all(app.store.get(f"default/{sid}").owner is None for sid in sessions)
-    owners = set()
+    owners, num_history = set(), 0
     for sid, history in sessions.items():
         before = app.store.get(f"default/{sid}").version
-        reply = app.chat(history + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "More."}],
+        num_history += len(app.store.get(f"default/{sid}").token_ids)
+        reply = app.chat(history + [{"role": "user", "content": "More."}],
                          session=sid)
         assert reply["choices"][0]["message"]["content"] is not None
         rec = app.store.get(f"default/{sid}")
         assert rec.version == before + 1
         owners.add(rec.owner)
     assert len(owners) == 1 and not owners & old
-    assert app.stats()["router"]["num_migrations"] == len(sessions)
+    stats = app.stats()
+    assert stats["router"]["num_migrations"] == len(sessions)
+    # The stopped replicas' sessions moved through the KV store folder: what is redone is the last partial block
+    # and the reply's end, which the chat template renders differently from the generated ids.
+    heir_id, deadline = owners.pop(), time.monotonic() + 10
+    while (heir := app.stats()["replicas"][heir_id])["num_turns"] < len(sessions) and time.monotonic() < deadline:
+        time.sleep(0.2)  # replicas report their counters every 0.2 s
+    assert heir["num_sessions_adopted"] == len(sessions) and heir["kv_store_num_blocks_loaded"] > 0
+    assert heir["num_tokens_recomputed"] < num_history / 2, (heir, num_history)

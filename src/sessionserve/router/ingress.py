@@ -6,11 +6,13 @@ full KV blocks with the tenant's salt, and reads the session's record from the
 store (owner replica, whether it was released). The engine deployment's
 `SessionKVRouter` picks the replica from that.
 
-If the chosen replica dies before the reply is complete (and, for a streamed
-reply, before its first byte reached the client), the request is sent again:
-Serve has dropped the dead replica, the router sees the session's owner gone
-(a failover), and another replica continues it. The turn was not committed,
-so it runs once; had it been committed, the store replays its response.
+If the chosen replica dies before the reply is complete, the request is sent
+again: Serve has dropped the dead replica, the router sees the session's owner
+gone (a failover), and another replica continues it. The turn was not
+committed, so it runs once; had it been committed, the store replays its
+response. A streamed reply that had begun continues where it stopped: the
+rerun's stream is cut to what the client has not seen yet (router/resume.py),
+provided it starts with what was delivered (greedy decoding or a seed).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sessionserve.cache.block_hash import extend_block_hashes
 from sessionserve.router.policy import RouteKey
 from sessionserve.router.replica import TURN_PATHS, RoutedRequest
+from sessionserve.router.resume import StreamDiverged, StreamLedger
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ class Ingress:
         self.block_size = Config.from_kwargs(**options.engine_kwargs).cache.block_size
         self.store = make_store(options.store_url)
         self.max_attempts = options.max_attempts
+        self.num_streams_resumed = 0  # streams continued on another replica after theirs died mid-stream
 
     # -- routing key ---------------------------------------------------------------------------
 
@@ -112,14 +116,10 @@ class Ingress:
     async def send(self, req: RoutedRequest) -> Response:
         last_exc: BaseException | None = None
         for attempt in range(self.max_attempts):
-            if attempt:
-                await asyncio.sleep(min(2.0, 0.2 * 2 ** (attempt - 1)))
-                req = self._refresh(req)
-            gen = self.engine.forward.options(stream=True).remote(req)
             try:
-                head = await gen.__anext__()
+                gen, head, req = await self._open(req, attempt)
                 if req.is_stream:
-                    return StreamingResponse(self._rest(gen), status_code=head["status"],
+                    return StreamingResponse(self._rest(gen, req, attempt), status_code=head["status"],
                                              headers=_headers(head["headers"]))
                 body = b"".join([chunk async for chunk in gen])
                 return Response(body, status_code=head["status"], headers=_headers(head["headers"]))
@@ -131,6 +131,15 @@ class Ingress:
         return JSONResponse({"error": {"message": f"No replica could serve the request: {last_exc!r}",
                                        "type": "server_error", "code": "unavailable"}}, status_code=503)
 
+    async def _open(self, req: RoutedRequest, attempt: int) -> tuple[Any, dict[str, Any], RoutedRequest]:
+        """Send `req` to a replica (a retry waits, then re-reads the session's owner); return the reply's
+        chunk generator past its head, the head, and the request as sent. Raises what the replica raised."""
+        if attempt:
+            await asyncio.sleep(min(2.0, 0.2 * 2 ** (attempt - 1)))
+            req = self._refresh(req)
+        gen = self.engine.forward.options(stream=True).remote(req)
+        return gen, await gen.__anext__(), req
+
     def _refresh(self, req: RoutedRequest) -> RoutedRequest:
         """Re-read the session's owner before a retry (the turn may have committed meanwhile)."""
         if req.session_key is None:
@@ -139,14 +148,44 @@ class Ingress:
         owner = rec.owner if rec is not None else req.route.owner
         return replace(req, route=replace(req.route, owner=owner, is_released=rec is not None and rec.owner is None))
 
-    @staticmethod
-    async def _rest(gen: Any) -> Any:
-        try:
-            async for chunk in gen:
-                yield chunk
-        except Exception as exc:  # noqa: BLE001 - the stream already started; end it with an error event
-            logger.warning("replica lost mid-stream: %r", exc)
+    async def _rest(self, gen: Any, req: RoutedRequest, attempt: int) -> Any:
+        """The body of a streamed reply; if its replica dies mid-stream, continued from another one."""
+        ledger, cont = StreamLedger(), None
+        while True:
+            try:
+                async for chunk in gen:
+                    if cont is not None:
+                        chunk = cont.filter(chunk)
+                    ledger.record(chunk)
+                    if chunk:
+                        yield chunk
+                return
+            except StreamDiverged as exc:
+                logger.warning("stream not continued: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - the stream already started: continue it, or end it
+                logger.warning("stream lost (attempt %d): %r", attempt + 1, exc)
+                if _is_replica_loss(exc) and ledger.resumable:
+                    reopened = await self._reopen(req, attempt)
+                    if reopened is not None:
+                        gen, req, attempt = reopened
+                        cont = ledger.continuation()
+                        self.num_streams_resumed += 1
+                        continue
             yield b'data: {"error": {"message": "replica lost mid-stream", "type": "server_error"}}\n\n'
+            return
+
+    async def _reopen(self, req: RoutedRequest, attempt: int) -> tuple[Any, RoutedRequest, int] | None:
+        """After a replica loss mid-stream: send the request again until a replica answers 200, or give up."""
+        while attempt + 1 < self.max_attempts:
+            attempt += 1
+            try:
+                gen, head, req = await self._open(req, attempt)
+            except Exception as exc:  # noqa: BLE001
+                if _is_replica_loss(exc):
+                    continue
+                return None
+            return (gen, req, attempt) if head["status"] == 200 else None
+        return None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve calls this after `__init__` (`serve.ingress()` with no app): the HTTP routes."""
@@ -164,7 +203,7 @@ def make_api(ingress: Ingress) -> FastAPI:
         router = router_for(ingress.options.engine_deployment)
         if router is None:
             return {"router": None, "replicas": {}}
-        return {"router": router.stats.to_dict(),
+        return {"router": router.stats.to_dict(), "ingress": {"num_streams_resumed": ingress.num_streams_resumed},
                 "replicas": {r.replica_id.unique_id: r.routing_stats for r in router.curr_replicas.values()}}
 
     @api.get("/router/metrics")
