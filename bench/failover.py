@@ -137,20 +137,28 @@ def main() -> None:
         result = box["result"]
         final = stats()
         serve.delete(name)
-        # The dead replica's sessions: their first turn that ended after the kill is the one a failover served.
+        # The dead replica's sessions: their turns cut by the kill (continued on the heir) and their first turns
+        # sent after it (the heir's first own turn of each).
         first_after: dict[str, float] = {}
+        cut: list[float] = []
         after: list[float] = []
         for st in sorted(result.steps, key=lambda s: s.start_s):
             end_s = st.start_s + st.result.latency_s
-            if kill_s is None or end_s < kill_s or st.result.ttft_s is None:
+            if kill_s is None or end_s < kill_s:
                 continue
-            after.append(st.result.ttft_s)
-            if st.session_id in owned and st.session_id not in first_after:
-                first_after[st.session_id] = st.result.ttft_s
+            if st.start_s < kill_s:
+                if st.session_id in owned:
+                    cut.append(st.result.latency_s)
+                continue
+            if st.result.ttft_s is not None:
+                after.append(st.result.ttft_s)
+                if st.session_id in owned and st.session_id not in first_after:
+                    first_after[st.session_id] = st.result.ttft_s
         heirs = [r for rid, r in final["replicas"].items() if rid != victim]
         summary = build_results(trace, {name: [result]}, meta={}, baseline=name)["policies"][name]
         row = {"app": name, "round": round_no, "kill_s": kill_s, "victim_sessions": len(owned),
-               "adopted_ttft": sorted(first_after.values()), "after_ttft_p50": pct(after, 0.5),
+               "adopted_ttft": sorted(first_after.values()), "cut_latency": sorted(cut),
+               "resumed_streams": final.get("ingress", {}).get("num_streams_resumed"), "after_ttft_p50": pct(after, 0.5),
                "after_ttft_p99": pct(after, 0.99),
                "recomputed_tokens": sum(r.get("num_tokens_recomputed", 0) for r in heirs),
                "adopted": sum(r.get("num_sessions_adopted", 0) for r in heirs),
@@ -175,14 +183,16 @@ def main() -> None:
     def f(x: float | None, fmt: str = ".2f") -> str:
         return "n/a" if x is None else format(x, fmt)
 
-    lines = [("| round | app | victim's sessions | their first TTFT after the kill p50 / max s | TTFT p50 / p99 after "
-              "the kill s | history tokens recomputed | blocks from the store | sessions/h | JCT p50 / p99 s | failed |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| round | app | victim's sessions | their next turn's TTFT p50 / max s | turns cut: n, latency p50 s | "
+              "TTFT p50 / p99 after the kill s | history tokens recomputed | blocks from the store | sessions/h | "
+              "JCT p50 / p99 s | failed |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a = r["adopted_ttft"]
         lines.append(f"| {r['round']} | {r['app']} | {r['victim_sessions']} | "
                      f"{f(statistics.median(a) if a else None)} / "
-                     f"{f(max(a) if a else None)} | {f(r['after_ttft_p50'])} / {f(r['after_ttft_p99'])} | "
+                     f"{f(max(a) if a else None)} | {len(r['cut_latency'])}, "
+                     f"{f(statistics.median(r['cut_latency']) if r['cut_latency'] else None)} | {f(r['after_ttft_p50'])} / {f(r['after_ttft_p99'])} | "
                      f"{r['recomputed_tokens']} | {r['store_blocks_loaded']} | {f(r['sessions_per_hour'], '.1f')} | "
                      f"{f(r['jct_p50_s'])} / {f(r['jct_p99_s'])} | {r['failed']} |")
     for round_no in range(args.rounds):
