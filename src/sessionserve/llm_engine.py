@@ -6,6 +6,7 @@ abort); `sessionserve.llm.LLM` is the offline convenience on top of it.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from sessionserve.core.spec import NgramProposer, Proposer, SpecPolicy
 from sessionserve.model.runner import ModelRunner
 from sessionserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from sessionserve.obs.native_memory import HeapTrimmer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -138,7 +141,10 @@ class LLMEngine:
             session = self.sessions.get(session_id) if session_id is not None else None
             if session is None or session.residency is Residency.NONE:  # else its KV is here, or coming back
                 reusable = (len(seq.token_ids) - 1) // self.kv.block_size  # a hit leaves the last token to compute
-                self.kv_store.load(self.kv.block_hashes(rid, seq.token_ids, seq.salt)[:reusable])
+                try:
+                    self.kv_store.load(self.kv.block_hashes(rid, seq.token_ids, seq.salt)[:reusable])
+                except Exception:  # noqa: BLE001 - the request is queued: it recomputes what was not loaded
+                    logger.exception("loading KV from the store failed")
         detok = None
         if stream or params.stop:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)

@@ -112,3 +112,29 @@ def test_unwritable_folder_drops_blocks_and_serving_goes_on(tiny_llama: Path, tm
     assert a.kv_store.flush()
     assert a.kv_store.stats.num_blocks_written == 0 and a.kv_store.stats.num_blocks_dropped == (60 + 12 - 1) // 16
     a.close()
+
+
+def test_a_failing_load_leaves_the_request_to_recompute(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
+    shared = tmp_path / "shared"
+    a = engine(tiny_llama, shared)
+    p = prompt(8, 80)
+    ref_out, _ = run(engine(tiny_llama, None), p + [5])
+    run(a, p)
+    assert a.kv_store.flush()
+    b = engine(tiny_llama, shared)
+    # A block file replaced by a folder (unreadable, not removable): a miss.
+    path = b.kv_store.store.path(b.kv.block_hashes(None, p)[0])
+    path.unlink()
+    path.mkdir()
+    assert b.kv_store.store.get(b.kv.block_hashes(None, p)[0]) is None
+    assert run(b, p + [5]) == (ref_out, 0)
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("disk on fire")
+
+    c = engine(tiny_llama, shared)
+    monkeypatch.setattr(c.kv_store.store, "get", broken)
+    assert run(c, p + [5]) == (ref_out, 0)  # the request was queued before the load failed; it recomputes
+    c.kv.check_integrity()
+    assert c.kv.pool.num_used_blocks == 0
+    a.close(), b.close(), c.close()

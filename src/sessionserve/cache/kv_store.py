@@ -100,7 +100,7 @@ class KVStore:
         return True
 
     def get(self, block_hash: bytes) -> torch.Tensor | None:
-        """The block (L, 2, Hkv, bs, D) stored under `block_hash`, or None if absent or corrupt.
+        """The block (L, 2, Hkv, bs, D) stored under `block_hash`, or None if absent, corrupt or unreadable.
 
         Touches the file (it becomes the most recently used). A corrupt file is removed.
         """
@@ -111,7 +111,13 @@ class KVStore:
             if path.exists():
                 logger.warning("KV store file dropped: %s", exc)
                 self.num_corrupt += 1
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:
+                    pass  # not ours to remove (e.g. a folder under that name): it stays a miss
+            return None
+        except OSError as exc:  # unreadable (permissions, I/O error): a miss, the request recomputes
+            logger.warning("KV store file unreadable: %s", exc)
             return None
         try:
             os.utime(path)

@@ -116,10 +116,12 @@ class KVStoreClient:
             if not hashes:
                 return 0
             blocks = self.pool.allocate(len(hashes))
-            scatter_blocks(self.kv_caches, blocks, torch.stack(datas))
-            for block, h in zip(blocks, hashes):
-                self.pool.cache_block(block, h)
-            self.pool.free(blocks)  # cached and unreferenced: the request's admission adopts them
+            try:
+                scatter_blocks(self.kv_caches, blocks, torch.stack(datas))
+                for block, h in zip(blocks, hashes):
+                    self.pool.cache_block(block, h)
+            finally:
+                self.pool.free(blocks)  # cached and unreferenced: the request's admission adopts them
         finally:
             self.pool.free(held)
         self._remember(hashes)
