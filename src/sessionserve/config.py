@@ -33,6 +33,9 @@ class CacheConfig:
     num_blocks: int | None = None
     # Share full blocks between requests by a chained hash of their tokens.
     enable_prefix_caching: bool = True
+    # Host memory for blocks the device's prefix cache evicts (a second level, by hash): a preempted or
+    # returning request gets them back instead of recomputing them. 0 disables it.
+    host_prefix_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -41,6 +44,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.host_prefix_cache_bytes < 0:
+            raise ValueError(f"host_prefix_cache_bytes must be >= 0, got {self.host_prefix_cache_bytes}")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sessionserve.cache.disk_tier import DiskTier
+from sessionserve.cache.host_prefix_cache import HostPrefixCache
 from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.kv_layout import KVLayout
 from sessionserve.cache.kv_manager import KVCacheManager
@@ -25,7 +26,7 @@ from sessionserve.core.engine import EngineCore
 from sessionserve.core.residency import MoveCosts, make_policy
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.core.sequence import Sequence, SequenceStatus
-from sessionserve.core.session import Residency, Session, Tier
+from sessionserve.core.session import Session, Tier
 from sessionserve.core.session_manager import SessionManager
 from sessionserve.core.spec import NgramProposer, Proposer, SpecPolicy
 from sessionserve.model.runner import ModelRunner
@@ -95,6 +96,13 @@ class LLMEngine:
         eos = self.runner.arch.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id else ())
         self.mover = self._make_mover(config)
         self.kv_store = self._make_kv_store(config)
+        self.host_prefix_cache = None
+        if config.cache.host_prefix_cache_bytes and config.cache.enable_prefix_caching:
+            self.host_prefix_cache = HostPrefixCache(self.runner.kv_caches, self.kv.pool,
+                                                     config.cache.host_prefix_cache_bytes)
+            self.kv.pool.on_evict = self.host_prefix_cache.keep
+        if self.host_prefix_cache is not None or self.kv_store is not None:
+            self.kv.lower = self._load_lower
         self.sessions = SessionManager(self.kv, self.mover, make_policy(config.session.residency_policy),
                                        idle_ttl_s=config.session.session_idle_ttl_s,
                                        max_sessions=config.session.max_sessions)
@@ -137,14 +145,6 @@ class LLMEngine:
             # Compile now (cached by spec): a bad schema is this request's 400, never a failed engine step.
             self.runner.grammar_compiler.compile(params.guided)
         seq = self.core.add_request(rid, ids, params, salt, session_id=session_id, priority=priority)
-        if self.kv_store is not None:
-            session = self.sessions.get(session_id) if session_id is not None else None
-            if session is None or session.residency is Residency.NONE:  # else its KV is here, or coming back
-                reusable = (len(seq.token_ids) - 1) // self.kv.block_size  # a hit leaves the last token to compute
-                try:
-                    self.kv_store.load(self.kv.block_hashes(rid, seq.token_ids, seq.salt)[:reusable])
-                except Exception:  # noqa: BLE001 - the request is queued: it recomputes what was not loaded
-                    logger.exception("loading KV from the store failed")
         detok = None
         if stream or params.stop:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
@@ -179,6 +179,18 @@ class LLMEngine:
             spool = sc.spool_dir or tempfile.mkdtemp(prefix="sessionserve-spool-")
             disk = DiskTier(layout, spool, sc.disk_kv_bytes)
         return ThreadMover(self.runner.kv_caches, host, disk)
+
+    def _load_lower(self, block_hashes: list[bytes]) -> int:
+        """The KV manager's lower tier: host memory first, then the shared folder. Never raises: what could
+        not be loaded is computed."""
+        num = 0
+        for tier in (self.host_prefix_cache, self.kv_store):
+            if tier is not None:
+                try:
+                    num += tier.load(block_hashes)
+                except Exception:  # noqa: BLE001 - a failed load costs a recompute, never the request
+                    logger.exception("loading KV blocks from %s failed", type(tier).__name__)
+        return num
 
     def _make_kv_store(self, config: Config) -> KVStoreClient | None:
         sc = config.session
@@ -248,6 +260,8 @@ class LLMEngine:
             usage["disk_bytes_used"] = self.mover.disk.used_bytes
         if self.kv_store is not None:
             usage["store_bytes_used"] = self.kv_store.store.used_bytes
+        if self.host_prefix_cache is not None:
+            usage["host_prefix_blocks"] = len(self.host_prefix_cache)
         for residency, n in self.sessions.residency_counts().items():
             usage[f"sessions_{residency}"] = n
         return usage

@@ -11,6 +11,7 @@ the least recently freed cached block.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 
@@ -42,6 +43,9 @@ class BlockPool:
         self.num_evicted_blocks = 0
         self.num_shared_blocks = 0  # blocks with more than one reference (prefix hits, forks)
         self.num_sharing_changes = 0  # times a block became shared or stopped being shared
+        # Called with (block, hash) just before a cached block is evicted for reuse, its data still intact
+        # (a host-memory prefix cache copies it there). None: evicted blocks are simply forgotten.
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +76,8 @@ class BlockPool:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
+                if self.on_evict is not None:
+                    self.on_evict(block, self._hash_of[block])  # type: ignore[arg-type]
                 self._uncache(block)
                 self.num_evicted_blocks += 1
             self.ref_counts[block] = 1

@@ -8,7 +8,7 @@ idea what a sequence or a session is. Callers follow the ask/act pattern:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from sessionserve.cache.block_hash import extend_block_hashes
@@ -30,6 +30,10 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_committed: dict[str, int] = {}  # blocks of the request already in the prefix index
+        # A tier below the device's prefix cache (host memory, a shared folder): given the hashes of a prompt's
+        # reusable blocks, it brings those after the device-cached head into the pool as cached, unreferenced
+        # blocks and returns how many. None: the device cache is all there is.
+        self.lower: Callable[[list[bytes]], int] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -39,22 +43,30 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], salt: bytes = b"") -> PrefixHit:
-        """Longest run of cached full blocks at the start of `token_ids`. Changes no counts.
+        """Longest run of cached full blocks at the start of `token_ids`. Changes no reference counts.
 
         At least one token is always left to compute, since the step that
-        computes it produces the logits for the next token.
+        computes it produces the logits for the next token. With a `lower`
+        tier, blocks past the device-cached head are first brought in from it
+        (cached and unreferenced, like blocks a finished request left).
         """
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
         hashes = extend_block_hashes(self._hashes.setdefault(request_id, []), token_ids, self.block_size, salt)
-        max_blocks = (len(token_ids) - 1) // self.block_size
+        reusable = hashes[:(len(token_ids) - 1) // self.block_size]
+        blocks = self._cached_run(reusable)
+        if len(blocks) < len(reusable) and self.lower is not None and self.lower(reusable):
+            blocks = self._cached_run(reusable)
+        return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def _cached_run(self, hashes: list[bytes]) -> list[int]:
         blocks: list[int] = []
-        for block_hash in hashes[:max_blocks]:
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             blocks.append(block)
-        return PrefixHit(blocks, len(blocks) * self.block_size)
+        return blocks
 
     def block_hashes(self, request_id: str | None, token_ids: Sequence[int], salt: bytes = b"") -> list[bytes]:
         """Hashes of the full blocks of `token_ids` (a copy).

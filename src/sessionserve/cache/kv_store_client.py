@@ -2,13 +2,14 @@
 
 `export` (engine thread) copies the full blocks of a finished request that
 the store may not have yet out of the device caches (one gather) and queues
-them; a writer thread puts them in the `KVStore`. `load` (engine
-thread, before the request is scheduled) reads the run of blocks that follows
-the request's device-cached prefix from the store into free device blocks and
-registers them in the prefix cache, unreferenced: the scheduler then admits
-the request with them as an ordinary prefix hit, and if memory runs short
-first they are evicted like any cached block. Nothing here changes what a
-request computes, only how much of it is computed again.
+them; a writer thread puts them in the `KVStore`. `load` (engine thread, the
+KV manager's `lower` tier, called when the scheduler looks up a waiting
+request's cached prefix) reads the run of blocks that follows the request's
+device-cached prefix from the store into free device blocks and registers
+them in the prefix cache, unreferenced: the scheduler then admits the request
+with them as an ordinary prefix hit, and if memory runs short first they are
+evicted like any cached block. Nothing here changes what a request computes,
+only how much of it is computed again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -90,43 +92,13 @@ class KVStoreClient:
     def load(self, block_hashes: list[bytes]) -> int:
         """Bring the blocks after the device-cached prefix of `block_hashes` in from the store. Returns how many.
 
-        `block_hashes`: the full blocks of a prompt that may be reused (not the last token's block). Stops at
-        the first block the store lacks, and at the device's free blocks (evicting cached ones, LRU, as an
-        allocation does). The device-cached head of the prefix is held while loading, so it is not evicted.
+        The engine's `KVCacheManager.lower` (see `load_blocks`).
         """
-        held = []
-        for h in block_hashes:
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            held.append(block)
-        start = len(held)
-        if start == len(block_hashes) or not self.store.contains(block_hashes[start]):
-            return 0
-        self.pool.touch(held)
-        try:
-            room = self.pool.num_free_blocks
-            hashes, datas = [], []
-            for h in block_hashes[start:start + room]:
-                data = self.store.get(h)
-                if data is None:
-                    break
-                hashes.append(h)
-                datas.append(data)
-            if not hashes:
-                return 0
-            blocks = self.pool.allocate(len(hashes))
-            try:
-                scatter_blocks(self.kv_caches, blocks, torch.stack(datas))
-                for block, h in zip(blocks, hashes):
-                    self.pool.cache_block(block, h)
-            finally:
-                self.pool.free(blocks)  # cached and unreferenced: the request's admission adopts them
-        finally:
-            self.pool.free(held)
-        self._remember(hashes)
-        self.stats.num_blocks_loaded += len(hashes)
-        self.stats.num_loads += 1
+        hashes = load_blocks(self.store, self.pool, self.kv_caches, block_hashes)
+        if hashes:
+            self._remember(hashes)
+            self.stats.num_blocks_loaded += len(hashes)
+            self.stats.num_loads += 1
         return len(hashes)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -167,3 +139,50 @@ class KVStoreClient:
                 self.stats.num_blocks_written += written
                 self._num_pending -= len(hashes)
                 self._cond.notify_all()
+
+
+class BlockSource(Protocol):
+    def contains(self, block_hash: bytes) -> bool: ...
+
+    def get(self, block_hash: bytes) -> torch.Tensor | None: ...
+
+
+def load_blocks(source: BlockSource, pool: BlockPool, kv_caches: KVCaches, block_hashes: list[bytes]) -> list[bytes]:
+    """Copy the blocks that follow the device-cached head of `block_hashes` from `source` into the device.
+
+    `block_hashes`: the full blocks of a prompt that may be reused (not the last token's block). Stops at
+    the first block `source` lacks, and at the device's free blocks (evicting cached ones, LRU, as an
+    allocation does). The loaded blocks are registered in the prefix cache, unreferenced: the request's
+    admission adopts them; if memory runs short first they are evicted like any cached block. The
+    device-cached head is held while loading, so the allocation cannot evict it. Returns the loaded hashes.
+    """
+    held = []
+    for h in block_hashes:
+        block = pool.lookup(h)
+        if block is None:
+            break
+        held.append(block)
+    start = len(held)
+    if start == len(block_hashes) or not source.contains(block_hashes[start]):
+        return []
+    pool.touch(held)
+    try:
+        hashes, datas = [], []
+        for h in block_hashes[start:start + pool.num_free_blocks]:
+            data = source.get(h)
+            if data is None:
+                break
+            hashes.append(h)
+            datas.append(data)
+        if not hashes:
+            return []
+        blocks = pool.allocate(len(hashes))
+        try:
+            scatter_blocks(kv_caches, blocks, torch.stack(datas))
+            for block, h in zip(blocks, hashes):
+                pool.cache_block(block, h)
+        finally:
+            pool.free(blocks)
+    finally:
+        pool.free(held)
+    return hashes
