@@ -145,6 +145,8 @@ def main() -> None:
     p.add_argument("--device-kv-bytes", type=int, default=96 << 20)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--host-prefix-cache-bytes", type=int, default=0,
+                   help="host memory for blocks the device's prefix cache evicts (0: none)")
     p.add_argument("--las-quantum-tokens", type=int, default=None,
                    help="priority policy: service per level (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
@@ -165,6 +167,8 @@ def main() -> None:
                          residency_policy="predictive", session_idle_ttl_s=1e9)  # no expiry mid-wait
     if a.las_quantum_tokens is not None:
         engine_kwargs["las_quantum_tokens"] = a.las_quantum_tokens
+    if a.host_prefix_cache_bytes:
+        engine_kwargs["host_prefix_cache_bytes"] = a.host_prefix_cache_bytes
     profile = None
     if a.simulate is not None:
         from sessionserve.sim.profile import load_profile
@@ -193,6 +197,7 @@ def main() -> None:
                 "model": a.model_size, "threads": a.threads, "device_kv_MiB": a.device_kv_bytes >> 20,
                 "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
                 "las_quantum_tokens": a.las_quantum_tokens or "default",
+                "host_prefix_cache_MiB": a.host_prefix_cache_bytes >> 20,
                 "repeats": a.repeats, "seed": a.seed, "started": started, "machine": platform.processor() or
                 platform.machine()}
     if profile is not None:
