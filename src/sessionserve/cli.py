@@ -87,7 +87,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, dtype=args.dtype,
             device=args.device, residency_policy=args.residency_policy, host_kv_bytes=args.host_kv_bytes,
             disk_kv_bytes=args.disk_kv_bytes, spool_dir=spool_dir, kv_store_dir=args.kv_store_dir,
-            kv_store_bytes=args.kv_store_bytes, **_spec_kwargs(args)))
+            kv_store_bytes=args.kv_store_bytes, host_prefix_cache_bytes=args.host_prefix_cache_bytes,
+            **_spec_kwargs(args)))
 
     specs = model_specs(args.model)
     if len(specs) == 1:
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                        help="folder shared by replicas (local or network file system): finished turns' KV is "
                             "written there and read by whichever replica continues the session")
     serve.add_argument("--kv-store-bytes", type=int, default=8 << 30, help="budget of --kv-store-dir")
+    serve.add_argument("--host-prefix-cache-bytes", type=int, default=0,
+                       help="host memory for KV blocks the device's prefix cache evicts (0: none)")
     serve.add_argument("--max-queued-requests", type=int, default=1024)
     serve.add_argument("--tokenize-threads", type=int, default=2, help="threads that render and tokenize prompts")
     serve.add_argument("--tokenize-cpus", default=None, help="cores for those threads, e.g. '1' or '2-3'")

@@ -75,22 +75,22 @@ def test_loads_nothing_across_tenants_and_without_a_matching_prefix(tiny_llama: 
     a.close(), b.close()
 
 
-def test_load_stops_at_free_memory_and_goes_on_when_there_is_room(tiny_llama: Path, tmp_path: Path) -> None:
+def test_load_waits_until_the_request_fits_whole(tiny_llama: Path, tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     a = engine(tiny_llama, shared)
     p = prompt(5, 400)
     ref_out, _ = run(engine(tiny_llama, None), p + [9])
     run(a, p)
     assert a.kv_store.flush()
-    # A device of 30 blocks (400 tokens need 26): another request holds 12, so at most 18 can be loaded.
+    # A device of 30 blocks (400 tokens need 26): another request holds 12, 18 are free.
     # (Under the priority policy a prompt that cannot fit whole waits; FCFS would admit it in chunks.)
     b = engine(tiny_llama, shared, num_blocks=30)
     hog = b.add_request(prompt(6, 180), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
     b.step()
     assert b.kv.pool.num_free_blocks == 30 - 12
     rid = b.add_request(p + [9], GREEDY)
-    b.step()  # the scheduler looks up its prefix: what fits comes in; the prompt then waits for room
-    assert b.kv_store.stats.num_blocks_loaded == 18
+    b.step()  # the scheduler looks up its prefix: it would not fit whole, so nothing is loaded for it yet
+    assert b.kv_store.stats.num_blocks_loaded == 0
     b.abort(hog)
     for _ in range(500):
         outs = {o.request_id: o for o in b.step()}

@@ -22,7 +22,8 @@ import torch
 
 from sessionserve.cache.block_pool import BlockPool
 from sessionserve.cache.kv_layout import KVCaches, KVLayout, gather_blocks
-from sessionserve.cache.kv_store_client import load_blocks
+from sessionserve.cache.kv_store_client import device_writer
+from sessionserve.cache.lower_tier import load_blocks
 
 
 @dataclass
@@ -43,6 +44,7 @@ class HostPrefixCache:
         if self.max_blocks < 1:
             raise ValueError(f"a host prefix cache of {budget_bytes} bytes holds no block of {block_bytes} bytes")
         self.pin = kv_caches[0][0].device.type == "cuda"
+        self._write = device_writer(kv_caches)
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.stats = HostPrefixCacheStats()
 
@@ -76,7 +78,7 @@ class HostPrefixCache:
 
     def load(self, block_hashes: list[bytes]) -> int:
         """Bring the blocks after the device-cached head of `block_hashes` back from here. Returns how many."""
-        n = len(load_blocks(self, self.pool, self.kv_caches, block_hashes))
+        n = len(load_blocks(self, self.pool, block_hashes, self._write))
         self.stats.num_blocks_loaded += n
         return n
 

@@ -48,14 +48,19 @@ class KVCacheManager:
         At least one token is always left to compute, since the step that
         computes it produces the logits for the next token. With a `lower`
         tier, blocks past the device-cached head are first brought in from it
-        (cached and unreferenced, like blocks a finished request left).
+        (cached and unreferenced, like blocks a finished request left), if the
+        request would fit in the free blocks whole.
         """
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
         hashes = extend_block_hashes(self._hashes.setdefault(request_id, []), token_ids, self.block_size, salt)
         reusable = hashes[:(len(token_ids) - 1) // self.block_size]
         blocks = self._cached_run(reusable)
-        if len(blocks) < len(reusable) and self.lower is not None and self.lower(reusable):
+        # Only when the whole request would fit: loading for one that then waits would evict other cached
+        # blocks (to be loaded back for them in turn) at every step it waits.
+        if len(blocks) < len(reusable) and self.lower is not None \
+                and self.pool.num_free_blocks >= self.blocks_needed(len(token_ids) + 1) \
+                and self.lower(reusable):
             blocks = self._cached_run(reusable)
         return PrefixHit(blocks, len(blocks) * self.block_size)
 

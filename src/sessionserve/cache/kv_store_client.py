@@ -17,14 +17,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from sessionserve.cache.block_pool import BlockPool
 from sessionserve.cache.kv_layout import KVCaches, KVLayout, gather_blocks, scatter_blocks
 from sessionserve.cache.kv_store import KVStore
+from sessionserve.cache.lower_tier import load_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class KVStoreClient:
         self.kv_caches = kv_caches
         self.pool = pool
         self.block_bytes = KVLayout.from_kv_caches(kv_caches).block_bytes
+        self._write = device_writer(kv_caches)
         self.max_pending_blocks = max(1, max_pending_bytes // self.block_bytes)
         self.stats = KVStoreStats()
         self._known: OrderedDict[bytes, None] = OrderedDict()  # in the store (written or read by us)
@@ -94,7 +96,7 @@ class KVStoreClient:
 
         The engine's `KVCacheManager.lower` (see `load_blocks`).
         """
-        hashes = load_blocks(self.store, self.pool, self.kv_caches, block_hashes)
+        hashes = load_blocks(self.store, self.pool, block_hashes, self._write)
         if hashes:
             self._remember(hashes)
             self.stats.num_blocks_loaded += len(hashes)
@@ -141,48 +143,6 @@ class KVStoreClient:
                 self._cond.notify_all()
 
 
-class BlockSource(Protocol):
-    def contains(self, block_hash: bytes) -> bool: ...
-
-    def get(self, block_hash: bytes) -> torch.Tensor | None: ...
-
-
-def load_blocks(source: BlockSource, pool: BlockPool, kv_caches: KVCaches, block_hashes: list[bytes]) -> list[bytes]:
-    """Copy the blocks that follow the device-cached head of `block_hashes` from `source` into the device.
-
-    `block_hashes`: the full blocks of a prompt that may be reused (not the last token's block). Stops at
-    the first block `source` lacks, and at the device's free blocks (evicting cached ones, LRU, as an
-    allocation does). The loaded blocks are registered in the prefix cache, unreferenced: the request's
-    admission adopts them; if memory runs short first they are evicted like any cached block. The
-    device-cached head is held while loading, so the allocation cannot evict it. Returns the loaded hashes.
-    """
-    held = []
-    for h in block_hashes:
-        block = pool.lookup(h)
-        if block is None:
-            break
-        held.append(block)
-    start = len(held)
-    if start == len(block_hashes) or not source.contains(block_hashes[start]):
-        return []
-    pool.touch(held)
-    try:
-        hashes, datas = [], []
-        for h in block_hashes[start:start + pool.num_free_blocks]:
-            data = source.get(h)
-            if data is None:
-                break
-            hashes.append(h)
-            datas.append(data)
-        if not hashes:
-            return []
-        blocks = pool.allocate(len(hashes))
-        try:
-            scatter_blocks(kv_caches, blocks, torch.stack(datas))
-            for block, h in zip(blocks, hashes):
-                pool.cache_block(block, h)
-        finally:
-            pool.free(blocks)
-    finally:
-        pool.free(held)
-    return hashes
+def device_writer(kv_caches: KVCaches) -> Callable[[list[int], list[torch.Tensor]], None]:
+    """`load_blocks`' `write` for real KV caches: block tensors (L, 2, Hkv, bs, D) into device blocks."""
+    return lambda blocks, datas: scatter_blocks(kv_caches, blocks, torch.stack(datas))

@@ -189,7 +189,7 @@ class ThreadMover:
                 ok, error = False, "io"
                 logger.warning("session %s: KV %s to %s failed: %s", job.session_id, job.kind.value,
                                job.copy.tier.value, exc)
-            except Exception as exc:  # noqa: BLE001 - a failed move must never kill the worker
+            except Exception as exc:
                 ok, error = False, repr(exc)
                 logger.exception("session %s: KV move failed", job.session_id)
             seconds = time.perf_counter() - t0

@@ -47,6 +47,9 @@ class Metrics:
                               "opened, evicted, open", labels + ["what"], registry=r)
         self.kv_store = Gauge("sessionserve_kv_store_blocks", "KV store folder (shared by replicas): blocks "
                               "written, loaded (not recomputed), dropped (not written)", labels + ["what"], registry=r)
+        self.host_prefix = Gauge("sessionserve_host_prefix_cache_blocks", "Host prefix cache: blocks held, kept "
+                                 "(device evictions copied), loaded back, dropped for the budget",
+                                 labels + ["what"], registry=r)
         self.prefetch = Gauge("sessionserve_session_restores", "Session KV restores by outcome",
                               labels + ["outcome"], registry=r)
         self.spec_tokens = Gauge("sessionserve_spec_decode_tokens",
@@ -104,6 +107,11 @@ class Metrics:
         self.prefetch.labels(m, "hit").set(total.num_prefetch_hits)
         self.prefetch.labels(m, "late").set(total.num_prefetch_late)
         self.prefetch.labels(m, "miss").set(total.num_restore_misses)
+        host = getattr(eng, "host_prefix_cache", None)
+        if host is not None:
+            self.host_prefix.labels(m, "held").set(len(host))
+            for what in ("kept", "loaded", "dropped"):
+                self.host_prefix.labels(m, what).set(getattr(host.stats, f"num_blocks_{what}"))
         store = getattr(eng, "kv_store", None)
         if store is not None:
             st = store.stats

@@ -18,6 +18,7 @@ from sessionserve.core.session_manager import SessionManager
 from sessionserve.sim.clock import VirtualClock
 from sessionserve.sim.executor import CostModelExecutor
 from sessionserve.sim.mover import VirtualMover
+from sessionserve.sim.prefix_cache import SimHostPrefixCache
 from sessionserve.sim.profile import CostProfile
 
 # NOTE: how often the real engine refreshes the policy's costs (LLMEngine.step): same cadence here.
@@ -35,6 +36,13 @@ class SimEngine:
         self.block_bytes = profile.model.kv_bytes_per_token * cc.block_size
         num_blocks = cc.num_blocks or max(1, cc.kv_cache_bytes // self.block_bytes)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.host_prefix_cache: SimHostPrefixCache | None = None
+        if cc.host_prefix_cache_bytes and cc.enable_prefix_caching:
+            self.host_prefix_cache = SimHostPrefixCache(self.kv.pool, self.clock,
+                                                        cc.host_prefix_cache_bytes // self.block_bytes,
+                                                        self.block_bytes / profile.host_copy_bytes_per_s)
+            self.kv.pool.on_evict = self.host_prefix_cache.keep
+            self.kv.lower = self.host_prefix_cache.load
         self.mover: VirtualMover | None = None
         if sc.host_kv_bytes or sc.disk_kv_bytes:
             host_block_bytes = self.block_bytes // 4 if sc.host_kv_int8 else self.block_bytes  # int8 of fp32 KV
