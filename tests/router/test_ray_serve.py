@@ -138,6 +138,16 @@ def _wait_running(app_name: str, num: int, timeout_s: float = 90) -> None:
     raise RuntimeError(f"{app_name}: not {num} running replicas: {dep.replica_states}")
 
 
+def _redeploy_ours(app: App, model: Path, kv_store: Path, num_replicas: int) -> None:
+    """Roll /ours out again with `num_replicas` replicas sharing the KV store folder `kv_store`."""
+    opts = ServeOptions(num_replicas=num_replicas, model=str(model), model_name="tiny",
+                        engine_kwargs={**ENGINE, "kv_store_dir": str(kv_store)},
+                        store_url=f"sqlite://{app.store.path}", router="session_kv", replica_num_cpus=0,
+                        routing_stats_period_s=0.2)
+    serve.run(build_app(opts), name="ours", route_prefix="/ours")
+    _wait_running("ours", num_replicas)
+
+
 def _wait_replaced(app: App, victim: str, timeout_s: float = 90) -> None:
     """Until Serve replaced the dead replica and the router hears from both."""
     deadline = time.monotonic() + timeout_s
@@ -160,12 +170,7 @@ def test_killed_replica_loses_no_session_and_output_is_unchanged(cluster: Cluste
                                                                  kv_store: Path) -> None:
     app = cluster.ours
     # The replicas share a KV store folder: whoever continues a session reads its history's KV from there.
-    opts = ServeOptions(num_replicas=2, model=str(tiny_llama), model_name="tiny",
-                        engine_kwargs={**ENGINE, "kv_store_dir": str(kv_store)},
-                        store_url=f"sqlite://{app.store.path}", router="session_kv", replica_num_cpus=0,
-                        routing_stats_period_s=0.2)
-    serve.run(build_app(opts), name="ours", route_prefix="/ours")
-    _wait_running("ours", 2)
+    _redeploy_ours(app, tiny_llama, kv_store, 2)
     users = ["Plan a three-day trip to Lisbon.", "Now make it cheaper.", "Write the final itinerary."]
 
     def turn(history: list[dict], sid: str, last: bool) -> dict:
@@ -262,12 +267,7 @@ def test_scale_down_drains_sessions_to_the_remaining_replica(cluster: Cluster, t
     assert len(old) == 2 and all(app.store.owned_by(r) for r in old)
     # NOTE: `serve.run` from Python rolls out new replicas (Serve versions the code per run); each old one
     # stops gracefully, which is the path a scale-down takes too: in-flight requests finish, then `__del__`.
-    opts = ServeOptions(num_replicas=1, model=str(tiny_llama), model_name="tiny",
-                        engine_kwargs={**ENGINE, "kv_store_dir": str(kv_store)},
-                        store_url=f"sqlite://{app.store.path}", router="session_kv", replica_num_cpus=0,
-                        routing_stats_period_s=0.2)
-    serve.run(build_app(opts), name="ours", route_prefix="/ours")
-    _wait_running("ours", 1)
+    _redeploy_ours(app, tiny_llama, kv_store, 1)
     for r in old:
         assert app.store.owned_by(r) == []  # each stopped replica handed its sessions back
     assert all(app.store.get(f"default/{sid}").owner is None for sid in sessions)

@@ -15,72 +15,33 @@ Least recently used blocks leave when the budget is full. Engine thread only.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
-
 import torch
 
 from sessionserve.cache.block_pool import BlockPool
 from sessionserve.cache.kv_layout import KVCaches, KVLayout, gather_blocks
 from sessionserve.cache.kv_store_client import device_writer
-from sessionserve.cache.lower_tier import load_blocks
+from sessionserve.cache.lower_tier import EvictedBlocks
 
 
-@dataclass
-class HostPrefixCacheStats:
-    num_blocks_kept: int = 0  # device evictions copied here
-    num_blocks_loaded: int = 0  # blocks brought back to the device
-    num_blocks_dropped: int = 0  # blocks this cache let go for its budget
-
-
-class HostPrefixCache:
+class HostPrefixCache(EvictedBlocks):
     """Evicted device blocks by hash, in host memory, within `budget_bytes`."""
 
     def __init__(self, kv_caches: KVCaches, pool: BlockPool, budget_bytes: int) -> None:
-        self.kv_caches = kv_caches
-        self.pool = pool
         block_bytes = KVLayout.from_kv_caches(kv_caches).block_bytes
-        self.max_blocks = budget_bytes // block_bytes
-        if self.max_blocks < 1:
+        if budget_bytes < block_bytes:
             raise ValueError(f"a host prefix cache of {budget_bytes} bytes holds no block of {block_bytes} bytes")
+        super().__init__(pool, budget_bytes // block_bytes)
+        self.kv_caches = kv_caches
         self.pin = kv_caches[0][0].device.type == "cuda"
-        self._write = device_writer(kv_caches)
-        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self.stats = HostPrefixCacheStats()
+        self._write = device_writer(kv_caches)  # type: ignore[method-assign]
 
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def keep(self, block: int, block_hash: bytes) -> None:
-        """Copy device block `block` here under `block_hash` (the pool is about to reuse it)."""
-        if block_hash in self._blocks:
-            self._blocks.move_to_end(block_hash)
-            return
+    def _copy_out(self, block: int) -> torch.Tensor:
         data = gather_blocks(self.kv_caches, [block])[0]
         if data.device.type != "cpu":
-            data = data.to("cpu", non_blocking=False)
+            data = data.to("cpu")
             if self.pin:
                 data = data.pin_memory()
-        self._blocks[block_hash] = data
-        self.stats.num_blocks_kept += 1
-        while len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
-            self.stats.num_blocks_dropped += 1
-
-    def contains(self, block_hash: bytes) -> bool:
-        return block_hash in self._blocks
-
-    def get(self, block_hash: bytes) -> torch.Tensor | None:
-        data = self._blocks.get(block_hash)
-        if data is not None:
-            self._blocks.move_to_end(block_hash)
         return data
-
-    def load(self, block_hashes: list[bytes]) -> int:
-        """Bring the blocks after the device-cached head of `block_hashes` back from here. Returns how many."""
-        n = len(load_blocks(self, self.pool, block_hashes, self._write))
-        self.stats.num_blocks_loaded += n
-        return n
 
     def clear(self) -> None:
         self._blocks.clear()

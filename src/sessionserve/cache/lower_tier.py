@@ -1,12 +1,16 @@
-"""Loading a prompt's blocks from a tier below the device's prefix cache: the bookkeeping every such tier shares.
+"""Tiers below the device's prefix cache: the bookkeeping they share.
 
-Torch-free: the data is moved by the caller's `write` (device copies in the
-engine, clock time in the simulator).
+`load_blocks` brings a prompt's blocks in from any of them; `EvictedBlocks`
+is the host prefix cache's index (what the device evicted, by hash, least
+recently used first). Torch-free: data moves in the subclass or the caller's
+`write` (device copies in the engine, clock time in the simulator).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sessionserve.cache.block_pool import BlockPool
@@ -59,3 +63,62 @@ def load_blocks(source: BlockSource, pool: BlockPool, block_hashes: list[bytes],
     finally:
         pool.free(held)
     return hashes
+
+
+@dataclass
+class EvictedBlocksStats:
+    num_blocks_kept: int = 0  # device evictions copied here
+    num_blocks_loaded: int = 0  # blocks brought back to the device
+    num_blocks_dropped: int = 0  # blocks let go for the budget
+
+
+class EvictedBlocks:
+    """Blocks the device's prefix cache evicted, by hash, at most `max_blocks`, least recently used first.
+
+    `keep` is the pool's eviction hook (`BlockPool.on_evict`), `load` the KV manager's lower tier.
+    Subclasses move the data: `_copy_out(block)` returns what `get` will give back for the block, and
+    `_write(blocks, datas)` puts such data into device blocks.
+    """
+
+    def __init__(self, pool: BlockPool, max_blocks: int) -> None:
+        if max_blocks < 1:
+            raise ValueError("a host prefix cache must hold at least one block")
+        self.pool = pool
+        self.max_blocks = max_blocks
+        self._blocks: OrderedDict[bytes, Any] = OrderedDict()
+        self.stats = EvictedBlocksStats()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def keep(self, block: int, block_hash: bytes) -> None:
+        """Copy device block `block` here under `block_hash` (the pool is about to reuse it)."""
+        if block_hash in self._blocks:
+            self._blocks.move_to_end(block_hash)
+            return
+        self._blocks[block_hash] = self._copy_out(block)
+        self.stats.num_blocks_kept += 1
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
+            self.stats.num_blocks_dropped += 1
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    def get(self, block_hash: bytes) -> Any:
+        data = self._blocks.get(block_hash)
+        if data is not None:
+            self._blocks.move_to_end(block_hash)
+        return data
+
+    def load(self, block_hashes: list[bytes]) -> int:
+        """Bring the blocks after the device-cached head of `block_hashes` back from here. Returns how many."""
+        n = len(load_blocks(self, self.pool, block_hashes, self._write))
+        self.stats.num_blocks_loaded += n
+        return n
+
+    def _copy_out(self, block: int) -> Any:
+        raise NotImplementedError
+
+    def _write(self, blocks: list[int], datas: list[Any]) -> None:
+        raise NotImplementedError
