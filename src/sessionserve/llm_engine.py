@@ -304,8 +304,7 @@ class LLMEngine:
             if seq.is_finished:
                 del self._tracked[seq.request_id]
                 if self.kv_store is not None:
-                    self.kv_store.export(self.kv.block_hashes(None, seq.token_ids[:seq.num_computed_tokens],
-                                                               seq.salt))
+                    self.kv_store.export(self.kv.block_hashes(seq.token_ids[:seq.num_computed_tokens], seq.salt))
         return outputs
 
     def _output(self, tracked: _Tracked, delta: str, new_ids: list[int]) -> RequestOutput:

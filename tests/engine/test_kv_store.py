@@ -126,10 +126,10 @@ def test_a_failing_load_leaves_the_request_to_recompute(tiny_llama: Path, tmp_pa
     assert a.kv_store.flush()
     b = engine(tiny_llama, shared)
     # A block file replaced by a folder (unreadable, not removable): a miss.
-    path = b.kv_store.store.path(b.kv.block_hashes(None, p)[0])
+    path = b.kv_store.store.path(b.kv.block_hashes(p)[0])
     path.unlink()
     path.mkdir()
-    assert b.kv_store.store.get(b.kv.block_hashes(None, p)[0]) is None
+    assert b.kv_store.store.get(b.kv.block_hashes(p)[0]) is None
     assert run(b, p + [5]) == (ref_out, 0)
 
     def broken(*_args, **_kwargs):

@@ -73,15 +73,9 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
-    def block_hashes(self, request_id: str | None, token_ids: Sequence[int], salt: bytes = b"") -> list[bytes]:
-        """Hashes of the full blocks of `token_ids` (a copy).
-
-        With a `request_id` that has no blocks yet, they are kept for its `find_cached_prefix` (no rehash).
-        """
-        hashes: list[bytes] = []
-        if request_id is not None and request_id not in self.block_tables:
-            hashes = self._hashes.setdefault(request_id, [])
-        return list(extend_block_hashes(hashes, token_ids, self.block_size, salt))
+    def block_hashes(self, token_ids: Sequence[int], salt: bytes = b"") -> list[bytes]:
+        """Hashes of the full blocks of `token_ids` (chained, salted: the prefix cache's keys)."""
+        return extend_block_hashes([], token_ids, self.block_size, salt)
 
     def computes_block(self, request_id: str, index: int, block_hash: bytes) -> bool:
         """True if `request_id` holds KV whose block `index` will hold `block_hash` once computed (an
