@@ -25,26 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
+from bench.serve_bench import add_serve_args, engine_kwargs, load_bench_trace, start_cluster
+
 MiB = 1 << 20
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--trace", default="weka_claude_code")
-    p.add_argument("--num-sessions", type=int, default=16)
-    p.add_argument("--max-steps", type=int, default=6)
-    p.add_argument("--max-context", type=int, default=1500)
-    p.add_argument("--token-scale", type=float, default=128.0)
-    p.add_argument("--time-scale", type=float, default=10.0)
-    p.add_argument("--max-wait-s", type=float, default=5.0)
+    add_serve_args(p, max_context=1500, token_scale=128.0, max_wait_s=5.0, device_kv_bytes=96 * MiB)
     p.add_argument("--loads", default="8", help="closed loop: concurrent agents (comma-separated sweep)")
-    p.add_argument("--model-size", default="small", choices=("tiny", "small"))
-    p.add_argument("--device-kv-bytes", type=int, default=96 * MiB)
-    p.add_argument("--host-kv-bytes", type=int, default=512 * MiB)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None)
     args = p.parse_args()
 
     import ray
@@ -54,27 +43,19 @@ def main() -> None:
     from sessionserve.model.make_model import ensure_model
     from sessionserve.router.ray_app import ServeOptions, build_app
     from sessionserve.workload.http_backend import HttpBackend
-    from sessionserve.workload.loader import load_trace
     from sessionserve.workload.replay import LoadSpec
     from sessionserve.workload.report import write_report
     from sessionserve.workload.results import build_results
     from sessionserve.workload.sweep import run_http
-    from tests.server.conftest import free_port
 
     model_dir = ensure_model("llama", args.model_size)
-    trace = load_trace(args.trace, token_scale=args.token_scale, time_scale=args.time_scale,
-                       max_sessions=args.num_sessions, max_steps=args.max_steps, min_steps=args.max_steps,
-                       max_context_tokens=args.max_context, max_wait_s=args.max_wait_s, seed=args.seed)
+    trace = load_bench_trace(args)
     loads = [LoadSpec("closed", concurrency=int(x)) for x in args.loads.split(",")]
-    engine = {"kv_cache_bytes": args.device_kv_bytes, "host_kv_bytes": args.host_kv_bytes, "num_threads": args.threads,
-                  "max_num_seqs": 32, "max_num_batched_tokens": 1024}
+    engine = engine_kwargs(args)
     out = Path(args.out or ROOT / "bench" / "out" / f"router-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * MiB,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(args.threads)}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = start_cluster(args.threads)
     labels = {"base": "ray_default_router", "ours": "session_kv_router"}
     targets = []
     for name, router in (("base", "pow2"), ("ours", "session_kv")):
