@@ -13,9 +13,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def engine(model: Path, shared: Path | None, **kwargs) -> LLMEngine:
-    opts = dict(num_blocks=64, block_size=16, host_kv_bytes=0, residency_policy="keep",
-                kv_store_dir=str(shared) if shared else None)
-    opts.update(kwargs)
+    opts = {"num_blocks": 64, "block_size": 16, "host_kv_bytes": 0, "residency_policy": "keep",
+            "kv_store_dir": str(shared) if shared else None, **kwargs}
     return LLMEngine(Config.from_kwargs(**opts), model)
 
 
@@ -26,6 +25,19 @@ def run(eng: LLMEngine, prompt: list[int], **kwargs) -> tuple[list[int], int]:
             if out.request_id == rid and out.finished:
                 return out.token_ids, out.num_cached_tokens
     raise AssertionError("request did not finish")
+
+
+def assert_pool_empty(eng: LLMEngine) -> None:
+    eng.kv.check_integrity()
+    assert eng.kv.pool.num_used_blocks == 0
+
+
+def written_by_another(model: Path, shared: Path, tokens: list[int], **kwargs) -> LLMEngine:
+    """An engine that ran `tokens` and wrote their blocks to the folder `shared` (all written when it returns)."""
+    eng = engine(model, shared)
+    run(eng, tokens, **kwargs)
+    assert eng.kv_store.flush()
+    return eng
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -56,17 +68,14 @@ def test_session_continues_on_another_engine_from_the_shared_folder(tiny_llama: 
     assert cached == written * 16  # the history came from the folder, not from a prefill
     assert b.kv_store.stats.num_blocks_loaded == written
     b.close_session(sid_b)
-    b.kv.check_integrity()
-    assert b.kv.pool.num_used_blocks == 0
+    assert_pool_empty(b)
     a.close(), b.close()
 
 
 def test_loads_nothing_across_tenants_and_without_a_matching_prefix(tiny_llama: Path, tmp_path: Path) -> None:
     shared = tmp_path / "shared"
-    a = engine(tiny_llama, shared)
     p = prompt(3, 100)
-    run(a, p, salt=b"tenant-a")
-    assert a.kv_store.flush()
+    a = written_by_another(tiny_llama, shared, p, salt=b"tenant-a")
     b = engine(tiny_llama, shared)
     assert run(b, p + [7], salt=b"tenant-b")[1] == 0  # another tenant's blocks are other names
     assert run(b, prompt(4, 100))[1] == 0
@@ -77,11 +86,9 @@ def test_loads_nothing_across_tenants_and_without_a_matching_prefix(tiny_llama: 
 
 def test_load_waits_until_the_request_fits_whole(tiny_llama: Path, tmp_path: Path) -> None:
     shared = tmp_path / "shared"
-    a = engine(tiny_llama, shared)
     p = prompt(5, 400)
     ref_out, _ = run(engine(tiny_llama, None), p + [9])
-    run(a, p)
-    assert a.kv_store.flush()
+    a = written_by_another(tiny_llama, shared, p)
     # A device of 30 blocks (400 tokens need 26): another request holds 12, 18 are free.
     # (Under the priority policy a prompt that cannot fit whole waits; FCFS would admit it in chunks.)
     b = engine(tiny_llama, shared, num_blocks=30)
@@ -99,8 +106,7 @@ def test_load_waits_until_the_request_fits_whole(tiny_llama: Path, tmp_path: Pat
             assert outs[rid].num_cached_tokens == 25 * 16  # the rest came in once the room was there
             break
     assert b.kv_store.stats.num_blocks_loaded == 25
-    b.kv.check_integrity()
-    assert b.kv.pool.num_used_blocks == 0
+    assert_pool_empty(b)
     a.close(), b.close()
 
 
@@ -119,11 +125,9 @@ def test_unwritable_folder_drops_blocks_and_serving_goes_on(tiny_llama: Path, tm
 
 def test_a_failing_load_leaves_the_request_to_recompute(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
     shared = tmp_path / "shared"
-    a = engine(tiny_llama, shared)
     p = prompt(8, 80)
     ref_out, _ = run(engine(tiny_llama, None), p + [5])
-    run(a, p)
-    assert a.kv_store.flush()
+    a = written_by_another(tiny_llama, shared, p)
     b = engine(tiny_llama, shared)
     # A block file replaced by a folder (unreadable, not removable): a miss.
     path = b.kv_store.store.path(b.kv.block_hashes(p)[0])
@@ -138,8 +142,7 @@ def test_a_failing_load_leaves_the_request_to_recompute(tiny_llama: Path, tmp_pa
     c = engine(tiny_llama, shared)
     monkeypatch.setattr(c.kv_store.store, "get", broken)
     assert run(c, p + [5]) == (ref_out, 0)  # the request was queued before the load failed; it recomputes
-    c.kv.check_integrity()
-    assert c.kv.pool.num_used_blocks == 0
+    assert_pool_empty(c)
     a.close(), b.close(), c.close()
 
 
@@ -153,7 +156,7 @@ def test_host_prefix_cache_makes_preemption_cheap_and_output_unchanged(tiny_llam
         computed = 0
         execute = eng.core.executor.execute
 
-        def counting(plan):  # noqa: ANN001, ANN202
+        def counting(plan):
             nonlocal computed
             computed += plan.num_batched_tokens
             return execute(plan)
