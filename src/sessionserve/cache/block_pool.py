@@ -43,9 +43,10 @@ class BlockPool:
         self.num_evicted_blocks = 0
         self.num_shared_blocks = 0  # blocks with more than one reference (prefix hits, forks)
         self.num_sharing_changes = 0  # times a block became shared or stopped being shared
-        # Called with (block, hash) just before a cached block is evicted for reuse, its data still intact
-        # (a host-memory prefix cache copies it there). None: evicted blocks are simply forgotten.
-        self.on_evict: Callable[[int, bytes], None] | None = None
+        # Called once per `allocate` that evicted cached blocks, with their (block, hash) pairs, before anyone
+        # writes to them (a host-memory prefix cache copies them there in one go). None: evicted blocks are
+        # simply forgotten.
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -71,17 +72,20 @@ class BlockPool:
         if num > self.num_free_blocks:
             raise MemoryError(f"need {num} KV blocks, {self.num_free_blocks} free")
         out: list[int] = []
+        evicted: list[tuple[int, bytes]] = []
         for _ in range(num):
             if self._free:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
                 if self.on_evict is not None:
-                    self.on_evict(block, self._hash_of[block])  # type: ignore[arg-type]
+                    evicted.append((block, self._hash_of[block]))  # type: ignore[arg-type]
                 self._uncache(block)
                 self.num_evicted_blocks += 1
             self.ref_counts[block] = 1
             out.append(block)
+        if evicted:
+            self.on_evict(evicted)  # type: ignore[misc]
         return out
 
     def free(self, blocks: list[int]) -> None:

@@ -35,13 +35,14 @@ class HostPrefixCache(EvictedBlocks):
         self.pin = kv_caches[0][0].device.type == "cuda"
         self._write = device_writer(kv_caches)  # type: ignore[method-assign]
 
-    def _copy_out(self, block: int) -> torch.Tensor:
-        data = gather_blocks(self.kv_caches, [block])[0]
-        if data.device.type != "cpu":
-            data = data.to("cpu")
-            if self.pin:
-                data = data.pin_memory()
-        return data
+    def _copy_out(self, blocks: list[int]) -> list[torch.Tensor]:
+        # One gather for all of them, then a block-sized copy each: a row kept as a view would hold the
+        # whole group's memory until its last row leaves.
+        group = gather_blocks(self.kv_caches, blocks)
+        if group.device.type != "cpu":
+            group = group.to("cpu")
+        rows = [row.clone() for row in group]
+        return [row.pin_memory() for row in rows] if self.pin else rows
 
     def clear(self) -> None:
         self._blocks.clear()

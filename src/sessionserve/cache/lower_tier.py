@@ -76,8 +76,8 @@ class EvictedBlocks:
     """Blocks the device's prefix cache evicted, by hash, at most `max_blocks`, least recently used first.
 
     `keep` is the pool's eviction hook (`BlockPool.on_evict`), `load` the KV manager's lower tier.
-    Subclasses move the data: `_copy_out(block)` returns what `get` will give back for the block, and
-    `_write(blocks, datas)` puts such data into device blocks.
+    Subclasses move the data: `_copy_out(blocks)` returns, per block, what `get` will give back for it,
+    and `_write(blocks, datas)` puts such data into device blocks.
     """
 
     def __init__(self, pool: BlockPool, max_blocks: int) -> None:
@@ -91,13 +91,19 @@ class EvictedBlocks:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def keep(self, block: int, block_hash: bytes) -> None:
-        """Copy device block `block` here under `block_hash` (the pool is about to reuse it)."""
-        if block_hash in self._blocks:
-            self._blocks.move_to_end(block_hash)
+    def keep(self, evicted: list[tuple[int, bytes]]) -> None:
+        """Copy the evicted device blocks here under their hashes (the pool is about to reuse them)."""
+        new = []
+        for block, block_hash in evicted:
+            if block_hash in self._blocks:
+                self._blocks.move_to_end(block_hash)
+            else:
+                new.append((block, block_hash))
+        if not new:
             return
-        self._blocks[block_hash] = self._copy_out(block)
-        self.stats.num_blocks_kept += 1
+        for (_, block_hash), data in zip(new, self._copy_out([b for b, _ in new])):
+            self._blocks[block_hash] = data
+        self.stats.num_blocks_kept += len(new)
         while len(self._blocks) > self.max_blocks:
             self._blocks.popitem(last=False)
             self.stats.num_blocks_dropped += 1
@@ -117,7 +123,7 @@ class EvictedBlocks:
         self.stats.num_blocks_loaded += n
         return n
 
-    def _copy_out(self, block: int) -> Any:
+    def _copy_out(self, blocks: list[int]) -> list[Any]:
         raise NotImplementedError
 
     def _write(self, blocks: list[int], datas: list[Any]) -> None:

@@ -19,9 +19,9 @@ class SimHostPrefixCache(EvictedBlocks):
         self.clock = clock
         self.s_per_block = s_per_block
 
-    def _copy_out(self, block: int) -> bool:
-        self.clock.advance(self.s_per_block)
-        return True
+    def _copy_out(self, blocks: list[int]) -> list[bool]:
+        self.clock.advance(len(blocks) * self.s_per_block)
+        return [True] * len(blocks)
 
     def _write(self, blocks: list[int], datas: list[bool]) -> None:
         self.clock.advance(len(blocks) * self.s_per_block)
