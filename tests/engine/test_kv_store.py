@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -70,6 +71,32 @@ def test_session_continues_on_another_engine_from_the_shared_folder(tiny_llama: 
     b.close_session(sid_b)
     assert_pool_empty(b)
     a.close(), b.close()
+
+
+def test_reused_blocks_stay_fresh_and_trimmed_ones_are_written_again(tiny_llama: Path, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    tokens = prompt(3, 100)
+    eng = written_by_another(tiny_llama, shared, tokens)
+    files = sorted(shared.glob("*/*/*.kv"))
+    n = eng.kv_store.stats.num_blocks_written
+    assert n == len(files) == (100 + 12 - 1) // 16
+    for f in files:
+        os.utime(f, (1, 1))
+    run(eng, tokens)  # the same prefix again: its blocks are known, so touched, not written
+    assert eng.kv_store.flush()
+    assert all(f.stat().st_mtime > 1 for f in files)  # the folder's LRU sees them as just used
+    assert eng.kv_store.stats.num_blocks_written == n
+    for f in files:  # another replica's trim removes them
+        f.unlink()
+    run(eng, tokens)
+    assert eng.kv_store.flush()
+    assert eng.kv_store.stats.num_blocks_gone == n
+    run(eng, tokens)  # forgotten as stored: written again
+    assert eng.kv_store.flush()
+    assert eng.kv_store.stats.num_blocks_written == 2 * n
+    assert sorted(shared.glob("*/*/*.kv")) == files
+    assert_pool_empty(eng)
+    eng.close()
 
 
 def test_loads_nothing_across_tenants_and_without_a_matching_prefix(tiny_llama: Path, tmp_path: Path) -> None:

@@ -82,6 +82,16 @@ class KVStore:
     def contains(self, block_hash: bytes) -> bool:
         return self.path(block_hash).exists()
 
+    def touch(self, block_hash: bytes) -> bool:
+        """Mark the block as just used (the trim removes it last). False if the folder no longer has it."""
+        try:
+            os.utime(self.path(block_hash))
+        except FileNotFoundError:
+            return False
+        except OSError:
+            pass  # present but not ours to touch: still a hit for readers
+        return True
+
     def put(self, block_hash: bytes, block: torch.Tensor) -> bool:
         """Store one block (L, 2, Hkv, bs, D) under its hash. False if it was there already.
 

@@ -2,7 +2,10 @@
 
 `export` (engine thread) copies the full blocks of a finished request that
 the store may not have yet out of the device caches (one gather) and queues
-them; a writer thread puts them in the `KVStore`. `load` (engine thread, the
+them; a writer thread puts them in the `KVStore`. The blocks it believes
+stored are touched instead (the folder's trim is LRU by mtime, so a prefix
+every session reuses stays); one found gone (another replica's trim) is
+forgotten, and written again the next time a request finishes with it. `load` (engine thread, the
 KV manager's `lower` tier, called when the scheduler looks up a waiting
 request's cached prefix) reads the run of blocks that follows the request's
 device-cached prefix from the store into free device blocks and registers
@@ -30,6 +33,7 @@ from sessionserve.cache.lower_tier import load_blocks
 logger = logging.getLogger(__name__)
 
 _MAX_KNOWN = 1 << 20  # hashes remembered as stored (16 bytes each), oldest forgotten first
+_MAX_TOUCHES = 1024  # finished requests' known blocks waiting to be touched
 
 
 @dataclass
@@ -38,6 +42,7 @@ class KVStoreStats:
     num_blocks_loaded: int = 0  # blocks read from the store into the device cache
     num_blocks_dropped: int = 0  # blocks not written: the write queue was full, or the write failed
     num_loads: int = 0  # requests that got at least one block from the store
+    num_blocks_gone: int = 0  # blocks this engine had stored that were gone when next used (trimmed)
 
 
 class KVStoreClient:
@@ -54,6 +59,9 @@ class KVStoreClient:
         self.stats = KVStoreStats()
         self._known: OrderedDict[bytes, None] = OrderedDict()  # in the store (written or read by us)
         self._queue: deque[tuple[list[bytes], torch.Tensor]] = deque()
+        self._touches: deque[list[bytes]] = deque()  # known blocks to touch (writer thread)
+        self._gone: list[bytes] = []  # known blocks the writer found removed; forgotten at the next export
+        self._touching = False
         self._num_pending = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -66,15 +74,25 @@ class KVStoreClient:
         Call on the engine thread, before another step can reuse the blocks (e.g. right after the request
         finished: its blocks are cached and unreferenced, their data intact until evicted).
         """
-        hashes, blocks = [], []
+        with self._cond:
+            gone, self._gone = self._gone, []
+        for h in gone:
+            self._known.pop(h, None)
+        hashes, blocks, known = [], [], []
         for h in block_hashes:
             if h in self._known:
+                known.append(h)
                 continue
             block = self.pool.lookup(h)
             if block is None:
                 break  # not computed (or evicted): nor is anything after it in the chain
             hashes.append(h)
             blocks.append(block)
+        if known:
+            with self._cond:
+                if len(self._touches) < _MAX_TOUCHES:  # else skipped: recency only, the writer is behind
+                    self._touches.append(known)
+                self._cond.notify()
         if not hashes:
             return 0
         with self._cond:
@@ -104,9 +122,10 @@ class KVStoreClient:
         return len(hashes)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued block is written. False on timeout."""
+        """Wait until every queued block is written (and touched). False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._num_pending == 0, timeout=timeout_s)
+            return self._cond.wait_for(lambda: self._num_pending == 0 and not self._touches and not self._touching,
+                                       timeout=timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what is queued (up to `timeout_s`), then stop the writer."""
@@ -125,10 +144,23 @@ class KVStoreClient:
     def _write_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closed)
-                if not self._queue:
+                self._cond.wait_for(lambda: self._queue or self._touches or self._closed)
+                touches = list(self._touches)
+                self._touches.clear()
+                job = self._queue.popleft() if self._queue else None
+                if job is None and not touches:
                     return
-                hashes, data = self._queue.popleft()
+                self._touching = bool(touches)
+            if touches:
+                gone = [h for hs in touches for h in hs if not self.store.touch(h)]
+                with self._cond:
+                    self._gone.extend(gone)
+                    self.stats.num_blocks_gone += len(gone)
+                    self._touching = False
+                    self._cond.notify_all()
+            if job is None:
+                continue
+            hashes, data = job
             written = 0
             try:
                 for i, h in enumerate(hashes):

@@ -46,7 +46,7 @@ class Metrics:
                               "Requests without a session id: requests, hits (continued a live session), forks, "
                               "opened, evicted, open", labels + ["what"], registry=r)
         self.kv_store = Gauge("sessionserve_kv_store_blocks", "KV store folder (shared by replicas): blocks "
-                              "written, loaded (not recomputed), dropped (not written)", labels + ["what"], registry=r)
+                              "written, loaded (not recomputed), dropped (not written), gone (trimmed by others)", labels + ["what"], registry=r)
         self.host_prefix = Gauge("sessionserve_host_prefix_cache_blocks", "Host prefix cache: blocks held, kept "
                                  "(device evictions copied), loaded back, dropped for the budget",
                                  labels + ["what"], registry=r)
@@ -115,7 +115,7 @@ class Metrics:
         store = getattr(eng, "kv_store", None)
         if store is not None:
             st = store.stats
-            for what in ("written", "loaded", "dropped"):
+            for what in ("written", "loaded", "dropped", "gone"):
                 self.kv_store.labels(m, what).set(getattr(st, f"num_blocks_{what}"))
 
     def sample_implicit(self, implicit, model: str | None = None) -> None:  # noqa: ANN001 - ImplicitSessions
