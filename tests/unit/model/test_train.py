@@ -140,8 +140,13 @@ def test_distilled_draft_agrees_with_its_target_more(tmp_path: Path, model_cache
     teacher = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32)
     held_out = ds.teacher_continuations(teacher, corpus.eval_ids, 32, 32, FAST.seq_len + 1 - 32,
                                         torch.Generator().manual_seed(7))
-    agree = {name: ds.greedy_agreement(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32),
-                                       held_out, 32)
-             for name, path in (("distilled", result.path), ("plain", plain.path))}
-    assert agree["distilled"] > agree["plain"], agree
+    students = {name: AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+                for name, path in (("distilled", result.path), ("plain", plain.path))}
+    agree = {name: ds.greedy_agreement(m, held_out, 32) for name, m in students.items()}
+    # A target this briefly trained may continue every prompt with the same few tokens, which both drafts
+    # then predict (agreement 1.0 each): the distributions tell them apart.
+    with torch.no_grad():
+        kl = {name: float(ds.distill_loss(m, teacher, held_out, use_bf16=False)) for name, m in students.items()}
+    assert kl["distilled"] < kl["plain"], kl
+    assert agree["distilled"] >= agree["plain"], agree
     assert 0.0 < r["distill"]["greedy_agreement_held_out"] <= 1.0
