@@ -147,6 +147,9 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--host-prefix-cache-bytes", type=int, default=0,
                    help="host memory for blocks the device's prefix cache evicts (0: none)")
+    p.add_argument("--background-prefill-tokens", type=int, default=None,
+                   help="priority policy: background prefill per step while interactive turns run "
+                        "(default: the engine's)")
     p.add_argument("--las-quantum-tokens", type=int, default=None,
                    help="priority policy: service per level (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
@@ -167,6 +170,8 @@ def main() -> None:
                          residency_policy="predictive", session_idle_ttl_s=1e9)  # no expiry mid-wait
     if a.las_quantum_tokens is not None:
         engine_kwargs["las_quantum_tokens"] = a.las_quantum_tokens
+    if a.background_prefill_tokens is not None:
+        engine_kwargs["background_prefill_tokens"] = a.background_prefill_tokens
     if a.host_prefix_cache_bytes:
         engine_kwargs["host_prefix_cache_bytes"] = a.host_prefix_cache_bytes
     profile = None
@@ -197,6 +202,8 @@ def main() -> None:
                 "model": a.model_size, "threads": a.threads, "device_kv_MiB": a.device_kv_bytes >> 20,
                 "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
                 "las_quantum_tokens": a.las_quantum_tokens or "default",
+                "background_prefill_tokens": "default" if a.background_prefill_tokens is None
+                else a.background_prefill_tokens,
                 "host_prefix_cache_MiB": a.host_prefix_cache_bytes >> 20,
                 "repeats": a.repeats, "seed": a.seed, "started": started, "machine": platform.processor() or
                 platform.machine()}

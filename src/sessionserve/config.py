@@ -75,6 +75,10 @@ class SchedulerConfig:
     starvation_s: float = 30.0
     # An interactive turn kept waiting this long by memory or batch slots preempts batch work.
     preempt_after_s: float = 0.5
+    # While interactive turns run, background prefill gets at most this many tokens per step, so
+    # interactive turns stream at decode pace (see core/priority.py). None: 1/16 of
+    # max_num_batched_tokens (at least 1); 0: no limit.
+    background_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -87,7 +91,14 @@ class SchedulerConfig:
 
     def priority_policy(self) -> PriorityPolicy:
         return PriorityPolicy(self.scheduling_policy, self.las_quantum_tokens, self.aging_s,
-                              self.starvation_s, self.preempt_after_s, self.scheduling_order)
+                              self.starvation_s, self.preempt_after_s, self.scheduling_order,
+                              self.resolved_background_prefill_tokens)
+
+    @property
+    def resolved_background_prefill_tokens(self) -> int:
+        if self.background_prefill_tokens is None:
+            return max(1, self.max_num_batched_tokens // 16)
+        return self.background_prefill_tokens
 
 
 @dataclass(frozen=True)

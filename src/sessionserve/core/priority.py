@@ -72,6 +72,11 @@ class PriorityPolicy:
     preempt_after_s: float = 0.5
     # Within a class (and service level): "program" start order, or "request" arrival order.
     order: str = "program"
+    # While interactive turns are in the batch (or first in line), background prefill gets at most this
+    # many tokens of a step; 0: no limit. A long background chunk makes every step long, and a running
+    # interactive turn advances one token (or one chunk) per step: its decode would go at the pace of
+    # background prefill. Background decodes are not limited.
+    background_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -80,6 +85,8 @@ class PriorityPolicy:
             raise ValueError(f"scheduling order must be one of {', '.join(SCHEDULING_ORDERS)}; got {self.order!r}")
         if self.las_quantum_tokens < 0 or self.aging_s <= 0 or self.starvation_s <= 0 or self.preempt_after_s < 0:
             raise ValueError("las_quantum_tokens >= 0, aging_s > 0, starvation_s > 0, preempt_after_s >= 0")
+        if self.background_prefill_tokens < 0:
+            raise ValueError(f"background_prefill_tokens must be >= 0, got {self.background_prefill_tokens}")
 
     def service_level(self, service_tokens: int) -> int:
         """0 for the first quantum of service, then one level per doubling; always 0 when LAS is off."""

@@ -130,21 +130,28 @@ class Scheduler:
             if prioritized else None
         yield_key = self._key(first_interactive, now_s) if first_interactive is not None else None
         deferred: list[Sequence] = []
+        # Background prefill tokens left this step: limited while interactive turns run or are first in line.
+        bg_left = budget
+        if prioritized and self.policy.background_prefill_tokens and (
+                first_interactive is not None or any(s.priority == 0 for s in self.running)):
+            bg_left = self.policy.background_prefill_tokens
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if yield_key is not None and seq.priority > 0 and seq.num_uncomputed_tokens > 1 \
-                    and self._key(seq, now_s) > yield_key:
+            bg_prefill = seq.priority > 0 and seq.num_uncomputed_tokens > 1
+            if bg_prefill and (bg_left <= 0 or yield_key is not None and self._key(seq, now_s) > yield_key):
                 deferred.append(seq)
                 i += 1
                 continue
-            chunk = self._chunk_or_preempt(seq, budget, preempted)
+            chunk = self._chunk_or_preempt(seq, min(budget, bg_left) if bg_prefill else budget, preempted)
             if chunk is None:
                 break  # seq itself was preempted: nothing more fits
             chunks.append(chunk)
             scheduled_ids.add(id(seq))
             budget -= chunk.num_tokens
+            if bg_prefill:
+                bg_left -= chunk.num_tokens
             i += 1
 
         # NOTE: no admissions in a step that preempted: memory is short, and
@@ -153,7 +160,7 @@ class Scheduler:
         skipped: list[Sequence] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.is_blocked:  # its KV is still coming back from a lower tier
+            if seq.is_blocked or (seq.priority > 0 and bg_left <= 0):  # KV still coming back; no room left
                 skipped.append(self.waiting.popleft())
                 continue
             if seq.request_id in self.kv.block_tables:  # resumes with KV it already holds
@@ -167,9 +174,10 @@ class Scheduler:
                     self.num_prefix_waits += 1
                     continue
             num_new = seq.num_tokens - start
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            limit = min(budget, bg_left) if seq.priority > 0 else budget
+            if num_new > limit and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, limit)
             whole = self.kv.num_blocks_required(seq.request_id, seq.num_tokens, hit) if prioritized else 0
             if whole > self.kv.num_free_blocks and not self._reclaim_from_waiting(seq, whole):
                 # Its prompt would not fit even once all its chunks ran: admitting it would only preempt
@@ -197,17 +205,20 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens))
             budget -= num_new
+            if seq.priority > 0:
+                bg_left -= num_new
         self.waiting.extendleft(reversed(skipped))
 
         for seq in deferred:  # background chunks fill what the interactive admissions left
-            if budget <= 0:
+            num_new = min(seq.num_uncomputed_tokens, budget, bg_left)
+            if num_new <= 0:
                 break
-            num_new = min(seq.num_uncomputed_tokens, budget)
             if self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
                 continue  # no preemption for background work; it retries next step
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new,
                                          seq.num_computed_tokens + num_new == seq.num_tokens))
             budget -= num_new
+            bg_left -= num_new
         if not chunks and deferred and not preempted:
             # Nothing else could run (the interactive turn waits for memory the deferred ones hold):
             # the first deferred chunk goes ahead, preempting from the end of the order as step 2 does.

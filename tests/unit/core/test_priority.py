@@ -117,7 +117,7 @@ def test_bad_policy_values_raise() -> None:
 
 @pytest.mark.parametrize("policy,interactive_first", [("priority", True), ("fcfs", False)])
 def test_admission_order_interactive_first_or_arrival(policy: str, interactive_first: bool) -> None:
-    sched = create_scheduler(max_num_batched_tokens=16, scheduling_policy=policy)
+    sched = create_scheduler(max_num_batched_tokens=16, scheduling_policy=policy, background_prefill_tokens=0)
     batch = create_seq(12, priority=BATCH, arrival_s=0.0)
     inter = create_seq(12, priority=INTERACTIVE, arrival_s=1.0)
     sched.add(batch)
@@ -128,7 +128,7 @@ def test_admission_order_interactive_first_or_arrival(policy: str, interactive_f
 
 
 def test_running_batch_prefill_yields_budget_to_waiting_interactive() -> None:
-    sched = create_scheduler(max_num_batched_tokens=16)
+    sched = create_scheduler(max_num_batched_tokens=16, background_prefill_tokens=0)
     batch = create_seq(60, priority=BATCH)
     sched.add(batch)
     run_step(sched, now_s=0.0)  # batch mid-prefill: 16 of 60
@@ -136,6 +136,34 @@ def test_running_batch_prefill_yields_budget_to_waiting_interactive() -> None:
     sched.add(inter)
     plan, _ = run_step(sched, now_s=0.1)
     assert [(c.seq, c.start, c.num_tokens) for c in plan.chunks] == [(inter, 0, 10), (batch, 16, 6)]
+
+
+def test_background_prefill_is_limited_while_interactive_turns_run() -> None:
+    sched = create_scheduler(max_num_batched_tokens=32, background_prefill_tokens=4)
+    inter = create_seq(8, max_tokens=3, priority=INTERACTIVE)
+    batch = create_seq(60, max_tokens=2, priority=BATCH)
+    waiting_batch = create_seq(20, priority=BATCH, arrival_s=0.5)
+    sched.add(inter)
+    sched.add(batch)
+    plan, _ = run_step(sched, now_s=0.0)
+    assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(inter, 8), (batch, 4)]
+    sched.add(waiting_batch)
+    plan, _ = run_step(sched, now_s=1.0)  # the interactive turn decodes: steps stay short
+    assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(inter, 1), (batch, 4)]
+    plan, _ = run_step(sched, now_s=1.1)  # its last token
+    assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(inter, 1), (batch, 4)]
+    assert inter.is_finished
+    plan, _ = run_step(sched, now_s=1.2)  # background alone: the whole budget again
+    assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(batch, 32)]
+
+
+def test_background_prefill_limit_is_a_share_of_the_step_by_default() -> None:
+    assert create_scheduler(max_num_batched_tokens=512).policy.background_prefill_tokens == 32
+    assert create_scheduler(max_num_batched_tokens=8).policy.background_prefill_tokens == 1
+    assert create_scheduler(max_num_batched_tokens=512, background_prefill_tokens=0).policy \
+        .background_prefill_tokens == 0
+    with pytest.raises(ValueError, match="background_prefill_tokens"):
+        create_scheduler(background_prefill_tokens=-1)
 
 
 def test_light_program_goes_before_heavy_one_of_same_class() -> None:
@@ -194,15 +222,16 @@ def test_urgent_interactive_never_preempts_interactive() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), policy=st.sampled_from(["priority", "fcfs"]), las=st.sampled_from([0, 16]))
-@example(seed=157, policy="priority", las=16)  # once a livelock: an aged batch victim readmitted, preempted again
-@example(seed=397, policy="priority", las=16)  # once a deadlock: deferred batch chunks holding all the memory
-def test_no_sequence_starves_and_no_block_leaks(seed: int, policy: str, las: int) -> None:
+@given(seed=st.integers(0, 10_000), policy=st.sampled_from(["priority", "fcfs"]), las=st.sampled_from([0, 16]),
+       bg=st.sampled_from([None, 0, 4]))
+@example(seed=157, policy="priority", las=16, bg=0)  # once a livelock: an aged batch victim readmitted, preempted again
+@example(seed=397, policy="priority", las=16, bg=0)  # once a deadlock: deferred batch chunks holding all the memory
+def test_no_sequence_starves_and_no_block_leaks(seed: int, policy: str, las: int, bg: int | None) -> None:
     """Random mixed arrivals under memory pressure: everything finishes, within a bound, blocks all return."""
     rng = random.Random(seed)
     sched = create_scheduler(num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                              scheduling_policy=policy, aging_s=2.0, starvation_s=6.0, preempt_after_s=0.5,
-                             las_quantum_tokens=las, prefix=False)
+                             las_quantum_tokens=las, background_prefill_tokens=bg, prefix=False)
     programs = [Program(start_s=None if i == 0 else rng.uniform(0.0, 3.0)) for i in range(5)]
     seqs, now, step = [], 0.0, 0
     while step < 3000 and (len(seqs) < 60 or sched.num_unfinished):
