@@ -101,3 +101,25 @@ def test_prefix_cache_hit_matches_hf(pair, use_kernel: bool) -> None:
     assert (out[0] - hf_logits(hf, a.token_ids)[-1]).abs().max().item() <= ATOL
     assert (out[1:] - hf_logits(hf, b_tokens)[32:]).abs().max().item() <= ATOL
     assert kv.block_tables[b.request_id][:2] == kv.block_tables[a.request_id][:2]
+
+
+def test_long_context_chunk_matches_hf(pair) -> None:
+    """An agent's next turn: many new rows over a cached context (the gather path where the kernel runs)."""
+    from sessionserve.model.attention import GATHER_MIN_ROWS
+
+    hf, runner = pair
+    kv = KVCacheManager(runner.num_blocks, BLOCK)
+    full = tokens(50 + GATHER_MIN_ROWS + 8, 8)
+    seq, other = create_seq(0, tokens=full), create_seq(0, tokens=tokens(20, 9))
+    run_chunks(runner, kv, [(seq, 0, 50), (other, 0, 20)], use_kernel=True)
+    other.token_ids.append(tokens(1, 10)[0])
+    chunks = [(other, 20, 1), (seq, 50, len(full) - 50)]  # a decode and the long chunk in one step
+    for s, start, n in chunks:
+        assert kv.allocate(s.request_id, start + n) is not None
+    plan = SchedulerOutput(tuple(ScheduledChunk(s, st, n, st + n == s.num_tokens) for s, st, n in chunks),
+                           sum(n for _, _, n in chunks), (), kv.block_tables)
+    _, _, meta, _, _ = runner.prepare_batch(plan)
+    assert bool(meta.ctx_gather) == (runner.use_kernel and not runner.use_tiles)
+    out = run_chunks(runner, kv, chunks, use_kernel=True)
+    assert (out[0] - hf_logits(hf, other.token_ids)[-1]).abs().max().item() <= ATOL
+    assert (out[1:] - hf_logits(hf, full)[50:]).abs().max().item() <= ATOL

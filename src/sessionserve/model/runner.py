@@ -13,7 +13,13 @@ from sessionserve.core.executor import ExecutorOutput
 from sessionserve.core.scheduler import SchedulerOutput
 from sessionserve.core.sequence import Sequence
 from sessionserve.model import paged_kernel, tile_attention
-from sessionserve.model.attention import TILE_MIN_ROWS, AttentionMetadata, TileBatchBuilder, pad_tables
+from sessionserve.model.attention import (
+    GATHER_MIN_ROWS,
+    TILE_MIN_ROWS,
+    AttentionMetadata,
+    TileBatchBuilder,
+    pad_tables,
+)
 from sessionserve.model.decoder import DecoderModel
 from sessionserve.model.hf_config import ModelArch, load_arch
 from sessionserve.model.loader import load_weights
@@ -189,6 +195,7 @@ class ModelRunner:
         fresh: dict[int, list[int]] = {}
         tile_fresh = TileBatchBuilder()
         tile_ctx = TileBatchBuilder()
+        ctx_gather: list[tuple[int, int, int, torch.Tensor]] = []
         paged_rows: list[int] = []
         paged_seq: list[int] = []
         paged_pos: list[int] = []
@@ -218,6 +225,9 @@ class ModelRunner:
                 fresh.setdefault(n, []).append(row0)
             elif self.use_tiles and n >= TILE_MIN_ROWS:
                 tile_ctx.add(row0, n, start, table[: -(-end // bs)])
+            elif n >= GATHER_MIN_ROWS and self.use_kernel:
+                ctx_gather.append((row0, n, end, torch.tensor(table[: -(-end // bs)], dtype=torch.long,
+                                                               device=self.device)))
             else:
                 paged_spans.append((len(paged_rows), n))
                 paged_rows.extend(range(row0, row0 + n))
@@ -245,6 +255,7 @@ class ModelRunner:
             use_kernel=self.use_kernel,
             tile_fresh=tile_fresh.build(dev),
             tile_ctx=tile_ctx.build(dev),
+            ctx_gather=ctx_gather,
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
