@@ -1,4 +1,5 @@
-"""The CPU attention kernels alone, bf16: prefill tiles vs SDPA, and tiles vs the paged kernel on context chunks.
+"""The CPU attention kernels alone: bf16 prefill tiles vs SDPA and vs the paged kernel on context chunks; fp32
+context chunks through the paged kernel vs a gather of the context and SDPA.
 
     .venv/bin/python bench/attention_kernels.py [--threads 2] [--repeats 5]
 
@@ -7,7 +8,10 @@ Fresh prefill: `--seqs` sequences of `--len` tokens, causal, through
 without tiles). Context chunks: one sequence with `ctx` cached tokens in a
 scattered block table and `rows` new query tokens, through the paged kernel
 and through the tiles; this is what `attention.TILE_MIN_ROWS` is chosen
-from. Random inputs, median of `--repeats` timed calls after one warm-up.
+from. In float32 (no tiles) the same context chunks through the paged kernel
+and through the engine's gather + SDPA path: `attention.GATHER_MIN_ROWS`.
+The bf16 tables need the AVX512-BF16 kernel; the fp32 one runs anywhere.
+Random inputs, median of `--repeats` timed calls after one warm-up.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from sessionserve.model import paged_kernel, tile_attention
+from sessionserve.model.attention import context_attention
 
 
 def timed_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -53,12 +58,20 @@ def main() -> None:
     p.add_argument("--len", type=int, default=512, help="fresh prefill: tokens per sequence")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    if not tile_attention.available():
-        raise SystemExit("no AVX512-BF16 tile kernel on this machine/build")
     H, Hkv, D, BS = a.heads, a.kv_heads, a.head_dim, a.block_size
     bf16 = torch.bfloat16
     g = torch.Generator().manual_seed(0)
     scale = D ** -0.5
+
+    print(f"float32 context chunks, one sequence, {H}/{Hkv} heads of {D}, block size {BS}, {a.threads} threads")
+    print("| cached tokens | new rows | paged kernel ms | gather + SDPA ms | paged / gather |\n|---|---|---|---|---|")
+    for ctx in (256, 1024, 4096):
+        for rows in (8, 16, 32, 64, 256):
+            paged, gather = context_chunk_fp32(ctx, rows, H, Hkv, D, BS, g, a.repeats)
+            print(f"| {ctx} | {rows} | {paged:.2f} | {gather:.2f} | {paged / gather:.2f}x |")
+    print()
+    if not tile_attention.available():
+        raise SystemExit("no AVX512-BF16 tile kernel on this machine/build: bf16 tables skipped")
 
     n, L = a.seqs, a.len
     q = torch.randn(n * L, H, D, generator=g).to(bf16)
@@ -80,6 +93,22 @@ def main() -> None:
         for rows in (16, 64, 256):
             paged, tile = context_chunk(ctx, rows, H, Hkv, D, BS, g, a.repeats)
             print(f"| {ctx} | {rows} | {paged:.2f} | {tile:.2f} | {paged / tile:.2f}x |")
+
+
+def context_chunk_fp32(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g: torch.Generator,
+                       repeats: int) -> tuple[float, float]:
+    """ms of the paged kernel and of gather + SDPA for `rows` new fp32 tokens over `ctx` cached ones."""
+    scale, total = D ** -0.5, ctx + rows
+    nb = -(-total // BS)
+    k_cache = torch.randn(nb + 4, Hkv, BS, D, generator=g)
+    v_cache = torch.randn(nb + 4, Hkv, BS, D, generator=g)
+    table = torch.randperm(nb + 4, generator=g)[:nb].view(1, nb).to(torch.int32)
+    q = torch.randn(rows, H, D, generator=g)
+    seq, pos = torch.zeros(rows, dtype=torch.int32), torch.arange(ctx, total, dtype=torch.int32)
+    paged = timed_ms(lambda: paged_kernel.paged_attention(q, k_cache, v_cache, table, seq, pos, scale), repeats)
+    gather = timed_ms(lambda: context_attention(q, k_cache, v_cache, table[0].long(), total, pos.long(), scale),
+                      repeats)
+    return paged, gather
 
 
 def context_chunk(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g: torch.Generator,

@@ -133,7 +133,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
             out[idx] = o.transpose(1, 2)
     for row0, n, ctx_len, blocks in meta.ctx_gather or ():
         pos = torch.arange(ctx_len - n, ctx_len, device=q.device)
-        out[row0:row0 + n] = _context_attention(q[row0:row0 + n], k_cache, v_cache, blocks, ctx_len, pos, scale)
+        out[row0:row0 + n] = context_attention(q[row0:row0 + n], k_cache, v_cache, blocks, ctx_len, pos, scale)
     if meta.paged_rows is not None:
         qp = q[meta.paged_rows]
         if meta.use_kernel:
@@ -154,12 +154,12 @@ def _paged_attention_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     for i, (row0, num_rows) in enumerate(meta.paged_q_spans):
         ctx_len = meta.paged_ctx_lens[i]
         blocks = meta.paged_block_tables[i, :(ctx_len + block_size - 1) // block_size].long()
-        out[row0:row0 + num_rows] = _context_attention(q[row0:row0 + num_rows], k_cache, v_cache, blocks, ctx_len,
+        out[row0:row0 + num_rows] = context_attention(q[row0:row0 + num_rows], k_cache, v_cache, blocks, ctx_len,
                                                        meta.paged_pos[row0:row0 + num_rows].long(), scale)
     return out
 
 
-def _context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                        ctx_len: int, pos: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence's query rows (n, H, D) at positions `pos` over its first `ctx_len` cached tokens, which
     live in `blocks` (int64): the context gathered into (Hkv, ctx, D), then SDPA with a causal mask."""
