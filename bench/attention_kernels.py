@@ -62,6 +62,8 @@ def main() -> None:
     bf16 = torch.bfloat16
     g = torch.Generator().manual_seed(0)
     scale = D ** -0.5
+    if not paged_kernel.available():  # loads (or builds) the C++ kernels
+        raise SystemExit("no paged attention kernel on this machine/build")
 
     print(f"float32 context chunks, one sequence, {H}/{Hkv} heads of {D}, block size {BS}, {a.threads} threads")
     print("| cached tokens | new rows | paged kernel ms | gather + SDPA ms | paged / gather |\n|---|---|---|---|---|")
