@@ -114,7 +114,8 @@ def _post(server: LiveServer, path: str, body: object) -> httpx.Response:
         content = json.dumps(body, allow_nan=True)
     except (TypeError, ValueError):
         content = str(body)
-    return httpx.post(server.url + path, content=content.encode("utf-8", "surrogatepass"), timeout=60,
+    # A body without max_tokens may generate up to the whole cache (4k tokens): minutes on a slow CPU.
+    return httpx.post(server.url + path, content=content.encode("utf-8", "surrogatepass"), timeout=300,
                       headers={**AUTH, "Content-Type": "application/json"})
 
 
