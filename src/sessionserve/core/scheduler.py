@@ -349,19 +349,37 @@ class Scheduler:
         """Free blocks held by waiting sequences (last queued first) until `num_blocks` are free.
 
         Each one falls back to recompute (its full blocks stay in the prefix
-        cache until evicted). True if enough blocks are free now.
+        cache until evicted). Nothing is freed unless that makes enough room:
+        dropping KV (a restored session's, say) and then not admitting anyway
+        would only make it recompute, step after step. True if enough blocks
+        are free now.
         """
+        short = num_blocks - self.kv.num_free_blocks
+        if short <= 0:
+            return True
+        ref_counts = self.kv.pool.ref_counts
+        released: dict[int, int] = {}  # block -> references the chosen victims drop
+        victims: list[Sequence] = []
         for seq in reversed(self.waiting):
-            if self.kv.num_free_blocks >= num_blocks:
+            if short <= 0:
                 break
-            if seq is keep or seq.is_blocked or seq.request_id not in self.kv.block_tables:
+            table = self.kv.block_tables.get(seq.request_id)
+            if seq is keep or seq.is_blocked or not table:
                 continue
+            victims.append(seq)
+            for block in table:
+                released[block] = released.get(block, 0) + 1
+                if released[block] == ref_counts[block]:
+                    short -= 1
+        if short > 0:
+            return False
+        for seq in victims:
             self.kv.commit_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.salt)
             self.kv.free(seq.request_id)
             seq.num_computed_tokens = 0
             seq.num_preemptions += 1
             self.num_preemptions += 1
-        return self.kv.num_free_blocks >= num_blocks
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.commit_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.salt)

@@ -274,6 +274,39 @@ def test_a_prompt_that_cannot_fit_whole_waits_and_smaller_turns_go_ahead_until_i
     sched.kv.check_integrity()
 
 
+@pytest.mark.parametrize("big_tokens, reclaimed", [(28, False), (32, True)])
+def test_waiting_turns_keep_their_kv_unless_taking_it_makes_room(big_tokens: int, reclaimed: bool) -> None:
+    """A turn that resumes with KV it holds (restored from the host tier, say) loses it to a prompt ahead of
+    it only when that makes room for the prompt: dropping it and admitting nothing anyway would make it
+    recompute for nothing."""
+    sched = create_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=8, starvation_s=100.0,
+                             preempt_after_s=100.0, prefix=False)
+    holder = None
+    if not reclaimed:
+        holder = create_seq(12, max_tokens=30, arrival_s=0.0)  # 4 blocks after 3 steps
+        sched.add(holder)
+        for t in range(3):
+            run_step(sched, now_s=0.1 * t)
+    big = create_seq(big_tokens, arrival_s=1.0)  # 7 blocks (with the holder's 4: 3 free + 3 held < 7) or 8
+    resumed = create_seq(13, arrival_s=2.0)
+    assert sched.kv.allocate(resumed.request_id, 12) is not None  # 3 blocks of KV it brought back
+    resumed.num_computed_tokens = 12
+    sched.add(big)
+    sched.add(resumed)
+    plan, _ = run_step(sched, now_s=2.1)
+    scheduled = {c.seq.request_id: c for c in plan.chunks}
+    if reclaimed:
+        assert big.request_id in scheduled and resumed.num_preemptions == 1
+        assert resumed.request_id not in sched.kv.block_tables
+    else:
+        assert big.request_id not in scheduled and resumed.num_preemptions == 0
+        assert scheduled[resumed.request_id].start == 12  # resumed on its own KV: one token to compute
+    while not (big.is_finished and resumed.is_finished and (holder is None or holder.is_finished)):
+        run_step(sched, now_s=200.0)
+    assert sched.kv.num_free_blocks == 10
+    sched.kv.check_integrity()
+
+
 def test_fcfs_admits_chunk_by_chunk_as_a_request_level_server_does() -> None:
     sched = create_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=8, scheduling_policy="fcfs",
                              prefix=False)
