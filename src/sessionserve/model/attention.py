@@ -93,8 +93,9 @@ class AttentionMetadata:
     use_kernel: bool
     tile_fresh: TileBatch | None = None  # fresh prefills for the tile kernel
     tile_ctx: TileBatch | None = None  # context prefills for the tile kernel
-    # Context prefills for gather + SDPA: (first row, num rows, context length after the step, block ids).
-    ctx_gather: list[tuple[int, int, int, torch.Tensor]] | None = None
+    # Context prefills for gather + SDPA: (first row, num rows, block ids, causal mask (rows, context)),
+    # built once per step for every layer.
+    ctx_gather: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -131,9 +132,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
                 qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
                 is_causal=True, scale=scale, enable_gqa=gqa)  # (B, H, L, D)
             out[idx] = o.transpose(1, 2)
-    for row0, n, ctx_len, blocks in meta.ctx_gather or ():
-        pos = torch.arange(ctx_len - n, ctx_len, device=q.device)
-        out[row0:row0 + n] = context_attention(q[row0:row0 + n], k_cache, v_cache, blocks, ctx_len, pos, scale)
+    for row0, n, blocks, mask in meta.ctx_gather or ():
+        out[row0:row0 + n] = context_attention(q[row0:row0 + n], k_cache, v_cache, blocks, mask, scale)
     if meta.paged_rows is not None:
         qp = q[meta.paged_rows]
         if meta.use_kernel:
@@ -154,19 +154,24 @@ def _paged_attention_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     for i, (row0, num_rows) in enumerate(meta.paged_q_spans):
         ctx_len = meta.paged_ctx_lens[i]
         blocks = meta.paged_block_tables[i, :(ctx_len + block_size - 1) // block_size].long()
-        out[row0:row0 + num_rows] = context_attention(q[row0:row0 + num_rows], k_cache, v_cache, blocks, ctx_len,
-                                                       meta.paged_pos[row0:row0 + num_rows].long(), scale)
+        mask = context_mask(ctx_len, meta.paged_pos[row0:row0 + num_rows].long())
+        out[row0:row0 + num_rows] = context_attention(q[row0:row0 + num_rows], k_cache, v_cache, blocks, mask, scale)
     return out
 
 
+def context_mask(ctx_len: int, pos: torch.Tensor) -> torch.Tensor:
+    """(n, ctx_len) bool: query row i at position pos[i] sees context tokens 0..pos[i]."""
+    return torch.arange(ctx_len, device=pos.device).unsqueeze(0) <= pos.unsqueeze(1)
+
+
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-                       ctx_len: int, pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence's query rows (n, H, D) at positions `pos` over its first `ctx_len` cached tokens, which
-    live in `blocks` (int64): the context gathered into (Hkv, ctx, D), then SDPA with a causal mask."""
+                      mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's query rows (n, H, D) over its first `mask.shape[1]` cached tokens, which live in
+    `blocks` (int64): the context gathered into (Hkv, ctx, D), then SDPA under `mask` (`context_mask`)."""
+    ctx_len = mask.shape[1]
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     ks = k_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :ctx_len]
     vs = v_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :ctx_len]
-    mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # (n, ctx)
     o = F.scaled_dot_product_attention(q.transpose(0, 1), ks, vs, attn_mask=mask, scale=scale,
                                        enable_gqa=q.shape[1] != num_kv_heads)
     return o.transpose(0, 1)

@@ -18,6 +18,7 @@ from sessionserve.model.attention import (
     TILE_MIN_ROWS,
     AttentionMetadata,
     TileBatchBuilder,
+    context_mask,
     pad_tables,
 )
 from sessionserve.model.decoder import DecoderModel
@@ -195,7 +196,7 @@ class ModelRunner:
         fresh: dict[int, list[int]] = {}
         tile_fresh = TileBatchBuilder()
         tile_ctx = TileBatchBuilder()
-        ctx_gather: list[tuple[int, int, int, torch.Tensor]] = []
+        ctx_gather: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         paged_rows: list[int] = []
         paged_seq: list[int] = []
         paged_pos: list[int] = []
@@ -226,8 +227,8 @@ class ModelRunner:
             elif self.use_tiles and n >= TILE_MIN_ROWS:
                 tile_ctx.add(row0, n, start, table[: -(-end // bs)])
             elif n >= GATHER_MIN_ROWS and self.use_kernel:
-                ctx_gather.append((row0, n, end, torch.tensor(table[: -(-end // bs)], dtype=torch.long,
-                                                               device=self.device)))
+                blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)
+                ctx_gather.append((row0, n, blocks, context_mask(end, torch.arange(start, end, device=self.device))))
             else:
                 paged_spans.append((len(paged_rows), n))
                 paged_rows.extend(range(row0, row0 + n))
