@@ -128,6 +128,18 @@ def test_a_session_too_big_for_the_device_stops_at_the_cache_size(monkeypatch: p
     assert len(result.steps[0].result.output_token_ids) == 19 * 16 - 250
 
 
+def test_replayed_agents_outlast_the_idle_ttl_and_an_expired_session_fails_cleanly() -> None:
+    # Waits of 15-45 min, past the engine's default idle TTL (10 min): the replay's engine keeps the sessions.
+    trace = agent_trace(num_sessions=3, num_steps=4, wait_s=900.0, output_tokens=8)
+    runs = run_sim(trace, ["predictive"], [LoadSpec("closed", 3)], PROFILE, ENGINE)
+    assert [s.error for s in runs["predictive"][0].sessions] == [None] * 3
+    # A TTL asked for explicitly is kept: the sessions expire during their first wait and fail, nothing else.
+    runs = run_sim(trace, ["predictive"], [LoadSpec("closed", 3)], PROFILE, {**ENGINE, "session_idle_ttl_s": 60.0})
+    result = runs["predictive"][0]
+    assert all("expired while idle" in (s.error or "") for s in result.sessions)
+    assert result.extra["leaked_blocks"] == 0
+
+
 def test_run_sim_writes_the_bench_report(tmp_path: Path) -> None:
     trace = agent_trace(6, 3)
     runs = run_sim(trace, ["discard", "keep"], [LoadSpec("closed", 2), LoadSpec("closed", 6)], PROFILE, ENGINE)

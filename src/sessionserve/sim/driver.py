@@ -191,7 +191,10 @@ class SimReplay:
         live.num_new_tokens = len(new_ids)
         live.step_start_s = self.clock()
         session = eng.get_session(live.engine_sid)
-        assert session is not None
+        if session is None:  # closed while its agent waited (idle TTL): the session fails, as in the bench
+            live.record.error = f"session {live.engine_sid!r} expired while idle"
+            self._end(live)
+            return
         kept = step.context_kept_tokens
         if kept is not None and kept < len(session.token_ids):
             new_ids = list(session.token_ids[:kept]) + new_ids
@@ -239,7 +242,8 @@ class SimReplay:
     def _end(self, live: _Live) -> None:
         sid = live.trace.session_id
         self._fold_stats(sid, live.engine_sid)
-        self.engine.close_session(live.engine_sid)
+        if self.engine.get_session(live.engine_sid) is not None:
+            self.engine.close_session(live.engine_sid)
         live.record.stats = self._stats.pop(sid)
         self._num_live -= 1
         if live.is_subagent:

@@ -15,7 +15,7 @@ from sessionserve.sim.engine import SimEngine
 from sessionserve.sim.profile import CostProfile
 from sessionserve.workload.progress import Progress
 from sessionserve.workload.replay import LoadSpec, ReplayResult
-from sessionserve.workload.sweep import Runs, progress_tick, record_engine_checks, sweep_policies
+from sessionserve.workload.sweep import Runs, progress_tick, record_engine_checks, sweep_policies, with_replay_ttl
 from sessionserve.workload.trace import TraceSet
 
 # Options of the real engine that mean nothing to the simulator (the profile describes the model).
@@ -31,6 +31,8 @@ def run_sim(trace: TraceSet, policies: Sequence[str], loads: Sequence[LoadSpec],
             engine_kwargs: dict[str, Any], *, seed: int = 0, hint_waits: bool = False,
             progress: Progress | None = None) -> Runs:
     """Simulate `trace` once per (policy, load); `engine_kwargs` as for `run_inproc`."""
+    engine_kwargs = with_replay_ttl(trace, engine_kwargs)
+
     def run_one(policy: str, load: LoadSpec) -> ReplayResult:
         eng = SimEngine(sim_config(policy, engine_kwargs), profile)
         result = record_engine_checks(eng, simulate(eng, trace.sessions, load, seed=seed, hint_waits=hint_waits,

@@ -122,7 +122,8 @@ class InprocBackend:
         eng = self.engine
         esid = self._engine_ids[session_id]
         session = eng.get_session(esid)
-        assert session is not None
+        if session is None:
+            raise RuntimeError(f"session {esid!r} expired while idle")
         if kept is not None and kept < len(session.token_ids):
             # NOTE: the engine's sessions only grow, so a client that cuts its context (compaction) becomes a
             # fresh engine session sent the kept prefix again; prefix caching may still find those blocks.

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sessionserve.config import SessionConfig
 from sessionserve.workload.backend import Backend
 from sessionserve.workload.progress import Progress
 from sessionserve.workload.replay import InprocBackend, LoadSpec, ReplayResult, SessionRecord, replay
@@ -46,6 +47,16 @@ def record_engine_checks(eng: Any, result: ReplayResult) -> ReplayResult:
     return result
 
 
+def with_replay_ttl(trace: TraceSet, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`engine_kwargs` with an idle TTL the trace's agents outlast no wait of: a replayed agent always comes
+    back, so a session closed while it waits would only turn that wait into a failed session. An explicit
+    `session_idle_ttl_s` is kept (a run may mean to measure expiry)."""
+    if engine_kwargs.get("session_idle_ttl_s") is not None:
+        return engine_kwargs
+    longest = max((s.expected_wait_s(k) for s in trace.sessions for k in range(len(s.steps))), default=0.0)
+    return {**engine_kwargs, "session_idle_ttl_s": max(SessionConfig.session_idle_ttl_s, 2 * longest + 60.0)}
+
+
 def warm_up(model_dir: str | Path, engine_kwargs: dict[str, Any], seed: int = 0) -> None:
     """One 2-step session on a throwaway engine: builds the attention kernel and warms caches."""
     from sessionserve.config import Config
@@ -65,6 +76,8 @@ def run_inproc(trace: TraceSet, policies: Sequence[str], loads: Sequence[LoadSpe
     """Replay `trace` once per (policy, load) on fresh engines; `engine_kwargs` go to `Config.from_kwargs`."""
     from sessionserve.config import Config
     from sessionserve.llm_engine import LLMEngine
+
+    engine_kwargs = with_replay_ttl(trace, engine_kwargs)
 
     def run_one(policy: str, load: LoadSpec) -> ReplayResult:
         eng = LLMEngine(Config.from_kwargs(residency_policy=policy, **engine_kwargs), model_dir)
