@@ -47,6 +47,10 @@ class BlockPool:
         # writes to them (a host-memory prefix cache copies them there in one go). None: evicted blocks are
         # simply forgotten.
         self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
+        # Blocks taken out of the index, in order (`uncached_since`): a caller that looked up a run of blocks
+        # checks only what left the index since, not the whole run again. Trimmed from the front.
+        self._uncached_log: list[int] = []
+        self._uncached_base = 0  # absolute position of _uncached_log[0]
 
     @property
     def num_free_blocks(self) -> int:
@@ -131,6 +135,16 @@ class BlockPool:
         self._by_hash[block_hash] = block
         return True
 
+    def uncache_mark(self) -> int:
+        """A position in the log of blocks leaving the index, for `uncached_since`."""
+        return self._uncached_base + len(self._uncached_log)
+
+    def uncached_since(self, mark: int) -> list[int] | None:
+        """Blocks taken out of the index since `mark` (repeats possible), or None if the log no longer
+        reaches back that far (treat every block as gone)."""
+        start = mark - self._uncached_base
+        return None if start < 0 else self._uncached_log[start:]
+
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
@@ -152,6 +166,12 @@ class BlockPool:
         if block_hash is not None:
             del self._by_hash[block_hash]
             self._hash_of[block] = None
+            log = self._uncached_log
+            log.append(block)
+            if len(log) > 2 * self.num_blocks + 1024:
+                cut = len(log) // 2
+                del log[:cut]
+                self._uncached_base += cut
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the pool's invariants do not hold."""

@@ -20,6 +20,17 @@ class PrefixHit(NamedTuple):
     num_tokens: int
 
 
+class _PrefixMemo:
+    """A waiting request's cached run so far: valid while none of its blocks has left the index."""
+
+    __slots__ = ("blocks", "mark", "members")
+
+    def __init__(self, mark: int) -> None:
+        self.mark = mark
+        self.blocks: list[int] = []
+        self.members: set[int] = set()
+
+
 class KVCacheManager:
     """Block tables for live requests. All methods are O(blocks touched)."""
 
@@ -30,6 +41,9 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_committed: dict[str, int] = {}  # blocks of the request already in the prefix index
+        # Requests without a table yet (waiting): their last cached run, so that asking again each step costs
+        # the blocks evicted since and the lookups past the run's end, not a walk over the whole context.
+        self._memo: dict[str, _PrefixMemo] = {}
         # A tier below the device's prefix cache (host memory, a shared folder): given the hashes of a prompt's
         # reusable blocks, it brings those after the device-cached head into the pool as cached, unreferenced
         # blocks and returns how many. None: the device cache is all there is.
@@ -55,23 +69,37 @@ class KVCacheManager:
             return PrefixHit([], 0)
         hashes = extend_block_hashes(self._hashes.setdefault(request_id, []), token_ids, self.block_size, salt)
         reusable = hashes[:(len(token_ids) - 1) // self.block_size]
-        blocks = self._cached_run(reusable)
+        blocks = self._cached_run(request_id, reusable)
         # Only when the whole request would fit: loading for one that then waits would evict other cached
         # blocks (to be loaded back for them in turn) at every step it waits.
         if len(blocks) < len(reusable) and self.lower is not None \
                 and self.pool.num_free_blocks >= self.blocks_needed(len(token_ids) + 1) \
                 and self.lower(reusable):
-            blocks = self._cached_run(reusable)
+            blocks = self._cached_run(request_id, reusable)
         return PrefixHit(blocks, len(blocks) * self.block_size)
 
-    def _cached_run(self, hashes: list[bytes]) -> list[int]:
-        blocks: list[int] = []
-        for block_hash in hashes:
-            block = self.pool.lookup(block_hash)
+    def _cached_run(self, request_id: str, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest indexed prefix of `hashes`. A request with a table asks afresh;
+        one without continues from its memo when no block of it has left the index since (chained hashes:
+        a block still indexed still holds the same prefix, and new entries can only lengthen the run)."""
+        pool = self.pool
+        if request_id in self.block_tables:
+            memo = _PrefixMemo(pool.uncache_mark())
+        else:
+            memo = self._memo.get(request_id)  # type: ignore[assignment]
+            gone = None if memo is None else pool.uncached_since(memo.mark)
+            if gone is None or len(memo.blocks) > len(hashes) or not memo.members.isdisjoint(gone):
+                memo = self._memo[request_id] = _PrefixMemo(pool.uncache_mark())
+            else:
+                memo.mark = pool.uncache_mark()
+        blocks, members = memo.blocks, memo.members
+        for block_hash in hashes[len(blocks):]:
+            block = pool.lookup(block_hash)
             if block is None:
                 break
             blocks.append(block)
-        return blocks
+            members.add(block)
+        return list(blocks)
 
     def block_hashes(self, token_ids: Sequence[int], salt: bytes = b"") -> list[bytes]:
         """Hashes of the full blocks of `token_ids` (chained, salted: the prefix cache's keys)."""
@@ -114,6 +142,7 @@ class KVCacheManager:
         if table is None:
             self.pool.touch(adopt)
             table = self.block_tables[request_id] = list(adopt)
+            self._memo.pop(request_id, None)
             self._num_committed[request_id] = len(adopt)
         new_blocks = self.pool.allocate(num_new) if num_new > 0 else []
         table.extend(new_blocks)
@@ -139,6 +168,7 @@ class KVCacheManager:
             raise KeyError(f"{new_key!r} already owns blocks")
         if old_key in self.block_tables:
             self.block_tables[new_key] = self.block_tables.pop(old_key)
+        self._memo.pop(old_key, None)
         for table in (self._hashes, self._num_committed):
             if old_key in table:
                 table[new_key] = table.pop(old_key)  # type: ignore[assignment]
@@ -186,6 +216,7 @@ class KVCacheManager:
         if not keep_hashes:
             self._hashes.pop(request_id, None)
         self._num_committed.pop(request_id, None)
+        self._memo.pop(request_id, None)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
@@ -194,3 +225,4 @@ class KVCacheManager:
             for block in table:
                 counts[block] += 1
         assert counts == self.pool.ref_counts, "block tables and reference counts disagree"
+        assert not self._memo.keys() & self.block_tables.keys(), "a request with a table kept its prefix memo"

@@ -126,3 +126,21 @@ def test_on_evict_sees_each_cached_block_before_its_reuse() -> None:
     pool.allocate(2)
     assert seen == [(b, b"hb", True)] or seen == [(a, b"ha", True)]  # the LRU cached block, out of the index, not yet written
     assert len(seen) == 1
+
+
+def test_the_log_of_uncached_blocks_answers_until_it_is_trimmed() -> None:
+    pool = BlockPool(2)
+    mark = pool.uncache_mark()
+    assert pool.uncached_since(mark) == []
+    blocks = pool.allocate(2)
+    for i, block in enumerate(blocks):
+        pool.cache_block(block, bytes([i]))
+    pool.free(blocks)
+    pool.allocate(1)  # evicts the least recently freed cached block
+    assert len(pool.uncached_since(mark)) == 1
+    for i in range(2000):  # far past what the log keeps for 2 blocks
+        block = pool.allocate(1)[0]
+        pool.cache_block(block, i.to_bytes(4, "big"))
+        pool.free([block])
+    assert pool.uncached_since(mark) is None
+    assert pool.uncached_since(pool.uncache_mark()) == []

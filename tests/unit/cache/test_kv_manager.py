@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from sessionserve.cache.block_hash import extend_block_hashes, hash_block
 from sessionserve.cache.kv_manager import KVCacheManager
 
@@ -88,3 +91,51 @@ def test_blocks_freed_with_their_hashes_kept_are_committed_again_without_rehashi
     kv.free("session:a")  # the default forgets them
     assert "session:a" not in kv._hashes
     kv.check_integrity()
+
+
+def _fresh_run(kv: KVCacheManager, token_ids: list[int]) -> list[int]:
+    """The longest cached run of `token_ids`'s reusable blocks, walked from the start."""
+    blocks = []
+    for block_hash in kv.block_hashes(token_ids)[:(len(token_ids) - 1) // kv.block_size]:
+        block = kv.pool.lookup(block_hash)
+        if block is None:
+            break
+        blocks.append(block)
+    return blocks
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["run", "ask", "evict", "reset"]), st.integers(0, 5),
+                          st.integers(1, 12)), min_size=1, max_size=40))
+def test_a_waiting_requests_cached_run_is_always_what_a_fresh_walk_finds(ops) -> None:
+    """Asked again and again while it waits (the memo: only blocks evicted since, and lookups past the end),
+    a request gets exactly the run a walk from the start finds, whatever ran, finished or was evicted between."""
+    kv = KVCacheManager(num_blocks=24, block_size=4)
+    # Six prompts sharing heads of different lengths: runs grow, shrink and fork as others come and go.
+    prompts = [[7] * 8 + [p % 3] * 12 + [p] * 20 for p in range(6)]
+    waiting = {f"w{i}": prompts[i][:8 + 4 * i + 9] for i in range(3)}
+    done = 0
+    for op, which, size in ops:
+        if op == "run":  # another request computes a prompt's head and finishes; its blocks stay cached
+            tokens = prompts[which][:4 * size + 1]
+            rid = f"r{done}"
+            done += 1
+            hit = kv.find_cached_prefix(rid, tokens)
+            if kv.allocate(rid, len(tokens), hit) is not None:
+                kv.commit_full_blocks(rid, tokens, len(tokens))
+            kv.free(rid)
+        elif op == "evict":  # a request takes blocks, evicting the least recently freed cached ones
+            rid = f"e{done}"
+            done += 1
+            if kv.allocate(rid, 4 * min(size, kv.num_free_blocks)) is not None:
+                kv.free(rid)
+        elif op == "reset":
+            kv.pool.reset_prefix_cache()
+        for rid, tokens in waiting.items():
+            if op == "ask" or rid == f"w{which % 3}":
+                assert kv.find_cached_prefix(rid, tokens).blocks == _fresh_run(kv, tokens)
+        kv.check_integrity()
+    for rid, tokens in waiting.items():
+        assert kv.find_cached_prefix(rid, tokens).blocks == _fresh_run(kv, tokens)
+        kv.free(rid)
+    assert not kv._memo
