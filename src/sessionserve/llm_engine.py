@@ -304,8 +304,15 @@ class LLMEngine:
             if seq.is_finished:
                 del self._tracked[seq.request_id]
                 if self.kv_store is not None:
-                    self.kv_store.export(self.kv.block_hashes(seq.token_ids[:seq.num_computed_tokens], seq.salt))
+                    self.kv_store.export(self._finished_block_hashes(seq))
         return outputs
+
+    def _finished_block_hashes(self, seq: Sequence) -> list[bytes]:
+        """The prefix-cache keys of a finished request's computed full blocks: the ones its session kept
+        (worked out as its turns were computed), hashed afresh only for a request that kept none."""
+        n = seq.num_computed_tokens
+        kept = self.kv.known_block_hashes(seq.kv_successor, n) if seq.kv_successor is not None else None
+        return kept if kept is not None else self.kv.block_hashes(seq.token_ids[:n], seq.salt)
 
     def _output(self, tracked: _Tracked, delta: str, new_ids: list[int]) -> RequestOutput:
         seq = tracked.seq

@@ -211,3 +211,26 @@ def test_host_prefix_cache_makes_preemption_cheap_and_output_unchanged(tiny_llam
     assert stats.num_blocks_kept > 0 and stats.num_blocks_loaded > 0
     assert computed_cached < computed_tight, (computed_cached, computed_tight)
     print(f"tokens computed: {computed_tight} (recompute) vs {computed_cached} (host prefix cache)")
+
+
+def test_a_sessions_finished_turns_are_exported_under_the_hashes_it_kept(tiny_llama: Path, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    shared = tmp_path / "shared"
+    eng = engine(tiny_llama, shared)
+    sid = eng.open_session()
+    run(eng, prompt(5, 150), session_id=sid)
+    exported: list[list[bytes]] = []
+    export = eng.kv_store.export
+    monkeypatch.setattr(eng.kv_store, "export", lambda hashes: exported.append(hashes) or export(hashes))
+    rehashed = []
+    block_hashes = eng.kv.block_hashes
+    monkeypatch.setattr(eng.kv, "block_hashes", lambda *a, **k: rehashed.append(a) or block_hashes(*a, **k))
+    run(eng, prompt(6, 40), session_id=sid)  # the second turn: its context is not hashed again
+    history = eng.get_session(sid).token_ids
+    assert not rehashed
+    assert exported == [block_hashes(history[:150 + 12 + 40 + 11])]  # every computed full block, same keys
+    assert eng.kv_store.flush()
+    assert eng.kv_store.stats.num_blocks_written == (150 + 12 + 40 + 11) // 16
+    eng.close_session(sid)
+    assert_pool_empty(eng)
+    eng.close()

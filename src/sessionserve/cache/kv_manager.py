@@ -105,6 +105,13 @@ class KVCacheManager:
         """Hashes of the full blocks of `token_ids` (chained, salted: the prefix cache's keys)."""
         return extend_block_hashes([], token_ids, self.block_size, salt)
 
+    def known_block_hashes(self, key: str, num_tokens: int) -> list[bytes] | None:
+        """The hashes of the full blocks of `key`'s first `num_tokens` tokens if already worked out (as the
+        prefix cache keys them), else None."""
+        hashes = self._hashes.get(key)
+        num_full = num_tokens // self.block_size
+        return hashes[:num_full] if hashes is not None and len(hashes) >= num_full else None
+
     def computes_block(self, request_id: str, index: int, block_hash: bytes) -> bool:
         """True if `request_id` holds KV whose block `index` will hold `block_hash` once computed (an
         identical prefix, chained hashes, being prefilled by that request and not in the index yet)."""
