@@ -273,7 +273,7 @@ class PredictivePolicy:
                     and host_rt < remaining:
                 actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
                 host_free -= s.num_blocks
-            elif disk_free >= s.num_blocks and 2 * c.disk_s_per_block * s.num_blocks < min(remaining, 4 * recompute_s):
+            elif disk_free >= s.num_blocks and 2 * c.disk_s_per_block * s.num_blocks < 4 * recompute_s:
                 actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.DISK))
                 disk_free -= s.num_blocks
             elif host_free >= s.num_blocks:

@@ -109,6 +109,17 @@ def test_predictive_uses_disk_when_host_is_full_and_drops_when_both_are() -> Non
     assert kinds(pol.decide(view([s], free=0, wanted=5, host=0, disk=0))) == {"a": ActionKind.DROP}
 
 
+def test_predictive_sends_a_soon_resuming_session_to_disk_when_a_restore_beats_recomputing_it() -> None:
+    # Host full, a wait shorter than the disk round trip (2 x 10 blocks x 10 ms): a restore from disk still
+    # costs less than prefilling its 160 tokens again (0.16 s), so it goes to disk, not away.
+    s = parked("a", parked_s=1.0, p50=0.05)
+    acts = make_policy("predictive").decide(view([s], free=0, wanted=5, host=0))
+    assert kinds(acts) == {"a": ActionKind.OFFLOAD} and acts[0].tier is Tier.DISK
+    # A disk slower than 4x recomputing: dropped.
+    slow = ResidencyView(1.0, (s,), 100, 0, 5, 0, 1000, MoveCosts(0.001, 0.05, 0.001))
+    assert kinds(make_policy("predictive").decide(slow)) == {"a": ActionKind.DROP}
+
+
 def test_predictive_prefetches_just_before_the_predicted_resume() -> None:
     pol = make_policy("predictive")
     s = parked("a", parked_s=0.0, p50=10.0, residency=Residency.HOST)
