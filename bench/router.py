@@ -10,6 +10,16 @@ each, one after the other, and writes a report with both series
 
     .venv/bin/python bench/router.py                                  # defaults recorded in bench/RESULTS.md
     .venv/bin/python bench/router.py --replicas 2 --loads 8 --num-sessions 16
+
+With `--simulate PROFILE` the same comparison runs on the simulator: each
+replica a `SimEngine` with its own virtual clock (replicas side by side, each
+on its own accelerator, unlike a local cluster's shared cores), the same
+routing policy code, and Ray Serve's default modelled as power of two
+choices on requests in flight (`sim/fleet.py`). `--repeats` seeds the
+default router's random choices differently each time.
+
+    .venv/bin/python bench/router.py --simulate bench/profiles/llama-small-2core.json --num-sessions 24 \
+        --loads 16 --max-wait-s 2 --repeats 3
 """
 
 from __future__ import annotations
@@ -34,7 +44,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_args(p, max_context=1500, token_scale=128.0, max_wait_s=5.0, device_kv_bytes=96 * MiB)
     p.add_argument("--loads", default="8", help="closed loop: concurrent agents (comma-separated sweep)")
+    p.add_argument("--simulate", metavar="PROFILE", default=None,
+                   help="run on the simulator with this cost profile (JSON or built-in name) instead of Ray")
+    p.add_argument("--repeats", type=int, default=1, help="with --simulate: runs, seeds seed..seed+repeats-1")
     args = p.parse_args()
+    if args.simulate is None and args.repeats != 1:
+        p.error("--repeats needs --simulate")
+    if args.simulate is not None:
+        simulate(args)
+        return
 
     import ray
     from ray import serve
@@ -44,8 +62,6 @@ def main() -> None:
     from sessionserve.router.ray_app import ServeOptions, build_app
     from sessionserve.workload.http_backend import HttpBackend
     from sessionserve.workload.replay import LoadSpec
-    from sessionserve.workload.report import write_report
-    from sessionserve.workload.results import build_results
     from sessionserve.workload.sweep import run_http
 
     model_dir = ensure_model("llama", args.model_size)
@@ -56,7 +72,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     port = start_cluster(args.threads)
-    labels = {"base": "ray_default_router", "ours": "session_kv_router"}
+    labels = LABELS
     targets = []
     for name, router in (("base", "pow2"), ("ours", "session_kv")):
         opts = ServeOptions(num_replicas=args.replicas, model=str(model_dir), model_name="m", engine_kwargs=engine,
@@ -80,6 +96,18 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": f"embedded llama {args.model_size}",
             "machine": _machine(), "backend": f"HTTP via Ray Serve, {args.replicas} replicas per app",
             "settings": {**engine, "loads": args.loads, "max_steps": args.max_steps, "seed": args.seed}}
+    summarize_runs(trace, runs, meta, labels, out)
+
+
+LABELS = {"base": "ray_default_router", "ours": "session_kv_router"}
+
+
+def summarize_runs(trace, runs, meta, labels, out: Path) -> None:
+    """Report, summary table and ratios of one comparison (the default router is the baseline)."""
+    from sessionserve.workload.report import write_report
+    from sessionserve.workload.results import build_results
+
+    out.mkdir(parents=True, exist_ok=True)
     results = build_results(trace, runs, meta=meta, baseline=labels["base"])
     write_report(out, results, runs)
     b, o = (results["policies"][labels[k]] for k in ("base", "ours"))
@@ -102,6 +130,45 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(summary)
     print(f"report: {out}")
+
+
+def simulate(args: argparse.Namespace) -> None:
+    """The comparison on the simulator: a fleet of `--replicas` simulated engines per router, `--repeats`
+    seeds; one report per seed and the ratios of every seed."""
+    from sessionserve.cli_bench import _machine
+    from sessionserve.sim.engine import SimEngine
+    from sessionserve.sim.fleet import simulate_fleet
+    from sessionserve.sim.profile import load_profile
+    from sessionserve.sim.runs import sim_config
+    from sessionserve.workload.replay import LoadSpec
+    from sessionserve.workload.sweep import with_replay_ttl
+
+    profile = load_profile(args.simulate)
+    trace = load_bench_trace(args)
+    loads = [LoadSpec("closed", concurrency=int(x)) for x in args.loads.split(",")]
+    engine = with_replay_ttl(trace, engine_kwargs(args))
+    out_root = Path(args.out or ROOT / "bench" / "out" / f"router-sim-{time.strftime('%Y%m%d-%H%M%S')}")
+    for r in range(args.repeats):
+        seed = args.seed + r
+        runs = {}
+        for name, router in (("base", "p2c"), ("ours", "session")):
+            runs[LABELS[name]] = []
+            for load in loads:
+                engines = [SimEngine(sim_config("predictive", engine), profile) for _ in range(args.replicas)]
+                result = simulate_fleet(engines, trace.sessions, load, router, seed=seed)
+                for eng in engines:
+                    eng.kv.check_integrity()
+                runs[LABELS[name]].append(result)
+        meta = {"command": shlex.join([".venv/bin/python", "bench/router.py", *sys.argv[1:]]),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": f"{profile.model.name} (profile {profile.label})",
+                "machine": _machine(), "backend": f"SIMULATED fleet: {args.replicas} replicas, each on its own "
+                                                  f"virtual clock, profile {profile.label}",
+                "settings": {**engine, "loads": args.loads, "max_steps": args.max_steps, "seed": seed}}
+        print(f"seed {seed}:")
+        summarize_runs(trace, runs, meta, LABELS, out_root / f"seed{seed}")
+        for label, rs in runs.items():
+            print(f"  {label}: steps moved to another replica {sum(x.extra['moves'] for x in rs)}, history "
+                  f"tokens resent {sum(x.extra['history_tokens_resent'] for x in rs):,}")
 
 
 if __name__ == "__main__":
