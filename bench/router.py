@@ -168,7 +168,7 @@ def simulate(args: argparse.Namespace) -> None:
         summarize_runs(trace, runs, meta, LABELS, out_root / f"seed{seed}")
         for label, rs in runs.items():
             print(f"  {label}: steps moved to another replica {sum(x.extra['moves'] for x in rs)}, history "
-                  f"tokens resent {sum(x.extra['history_tokens_resent'] for x in rs):,}")
+                  f"tokens a replica lacked {sum(x.extra['history_tokens_resent'] for x in rs):,}")
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ earliest, and an event (a session starting, an agent back from its tools) is
 handled once every busy replica has reached its time. Every step of a
 session is routed as an HTTP client's request is: the router sees the
 prompt's block hashes, the session key and each replica's load, and picks a
-replica. A session's step that lands where the session already lives sends
-only its new tokens; anywhere else the replica opens a session and gets the
-whole history (the client resends it), and the prefix cache finds what it
-can. The replica it left keeps its copy parked, as a server does until the
-idle TTL.
+replica. The client sends the whole history every step; a replica that holds
+a copy of the session continues it (as the server's `continue_session` does:
+the copy is a prefix of the prompt), so it computes the steps it missed, and
+one that holds none opens a session and its prefix cache finds what it can.
+The replica a session left keeps its copy parked, as a server does until the
+idle TTL, and may get the session back.
 
 Routers: `session` is our routing policy (`router.policy.choose_replica`, the
 code the Ray Serve router runs); `p2c` is Ray Serve's default, power of two
@@ -124,7 +125,7 @@ class FleetReplay:
         self._waiting: dict[tuple[int, str], _Live] = {}  # (replica, request id) -> session whose step it is
         self._stats: dict[str, dict[str, float]] = {}
         self.num_moves = 0  # steps sent to a replica other than the one that ran the session's last step
-        self.num_history_tokens = 0  # tokens resent as whole histories to replicas without the session
+        self.num_history_tokens = 0  # earlier steps' tokens sent to replicas whose copy (if any) lacked them
 
     def _at(self, t_s: float, kind: str, data: object) -> None:
         self._order += 1
@@ -248,16 +249,14 @@ class FleetReplay:
         session = eng.get_session(esid) if esid is not None else None
         if live.replica >= 0 and i != live.replica:
             self.num_moves += 1
-        if session is None or len(session.token_ids) != len(live.history):
-            if session is not None:
-                self._fold(i, live, esid)
-                eng.close_session(esid)
+        if session is None:
             live.num_opened += 1
             esid = live.homes[i] = eng.open_session(f"{trace.session_id}@{i}#{live.num_opened}", trace.priority)
-            ids = prompt
-            self.num_history_tokens += len(live.history)
-        else:
-            ids = new_ids
+            held = 0
+        else:  # its copy there is the history up to the last step it ran there: the server continues it
+            held = len(session.token_ids)
+        ids = prompt[held:]
+        self.num_history_tokens += len(live.history) - held
         live.num_new_tokens = len(new_ids)
         live.step_start_s = t_s
         live.replica = i
