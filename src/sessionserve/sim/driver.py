@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.sim.engine import SimEngine
@@ -35,6 +36,9 @@ from sessionserve.workload.replay import (
     arrival_times,
 )
 from sessionserve.workload.trace import AgentSession
+
+if TYPE_CHECKING:
+    from sessionserve.core.sequence import Sequence as CoreSequence
 
 # NOTE: the real loop steps an idle engine every IDLE_TICK_S so that time-triggered residency actions (a prefetch
 # before a predicted resume, a TTL drop) happen on time. Here an idle engine steps only when the session manager
@@ -212,14 +216,8 @@ class SimReplay:
         self._waiting[rid] = live
 
     def _step_done(self, live: _Live, seq) -> None:
-        n = seq.num_output_tokens
-        end_s = seq.finished_s
-        ttft = None if seq.first_token_s is None else seq.first_token_s - seq.arrival_s
-        tpot = (end_s - seq.first_token_s) / (n - 1) if seq.first_token_s is not None and n > 1 else None
-        result = StepResult(seq.output_token_ids, end_s - seq.arrival_s, ttft, tpot, seq.num_prompt_tokens,
-                            seq.num_cached_tokens or 0)
         self.steps.append(StepRecord(live.trace.session_id, live.step_index, live.step_start_s,
-                                     live.num_new_tokens, result))
+                                     live.num_new_tokens, step_result(seq, seq.arrival_s)))
         live.record.num_steps += 1
         k = live.step_index
         step = live.trace.steps[k]
@@ -274,6 +272,15 @@ class SimReplay:
         sample.update({k: v for k, v in u.items() if k.startswith("sessions_")})
         self.kv_samples.append(sample)
         self._next_kv_s = now + KV_SAMPLE_PERIOD_S
+
+
+def step_result(seq: CoreSequence, sent_s: float) -> StepResult:
+    """A finished turn as the replay records it, its latencies counted from `sent_s` (the client's send)."""
+    n, end_s, first_s = seq.num_output_tokens, seq.finished_s, seq.first_token_s
+    ttft = None if first_s is None else first_s - sent_s
+    tpot = (end_s - first_s) / (n - 1) if first_s is not None and n > 1 else None
+    return StepResult(seq.output_token_ids, end_s - sent_s, ttft, tpot, seq.num_prompt_tokens,
+                      seq.num_cached_tokens or 0)
 
 
 def simulate(engine: SimEngine, sessions: Sequence[AgentSession], load: LoadSpec, *, seed: int = 0,

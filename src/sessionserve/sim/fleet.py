@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.router import policy as rp
-from sessionserve.sim.driver import IDLE_TICK_S, SimStalled
+from sessionserve.sim.driver import IDLE_TICK_S, SimStalled, step_result
 from sessionserve.sim.engine import SimEngine
-from sessionserve.workload.backend import StepResult
 from sessionserve.workload.inproc import fold_session_stats
 from sessionserve.workload.prompts import PromptBuilder
 from sessionserve.workload.replay import LoadSpec, ReplayResult, SessionRecord, StepRecord, arrival_times
@@ -271,16 +270,11 @@ class FleetReplay:
         self._waiting[(i, rid)] = live
 
     def _step_done(self, i: int, live: _Live, seq) -> None:
-        n = seq.num_output_tokens
         end_s = seq.finished_s
-        # From the client's send, not the replica's arrival: a replica mid-step when the request came took
-        # it at the step's end.
-        ttft = None if seq.first_token_s is None else seq.first_token_s - live.step_start_s
-        tpot = (end_s - seq.first_token_s) / (n - 1) if seq.first_token_s is not None and n > 1 else None
-        result = StepResult(seq.output_token_ids, end_s - live.step_start_s, ttft, tpot, seq.num_prompt_tokens,
-                            seq.num_cached_tokens or 0)
+        # Timed from the client's send, not the replica's arrival: a replica mid-step when the request came
+        # took it at the step's end.
         self.steps.append(StepRecord(live.trace.session_id, live.step_index, live.step_start_s,
-                                     live.num_new_tokens, result))
+                                     live.num_new_tokens, step_result(seq, live.step_start_s)))
         live.history.extend(seq.output_token_ids)
         live.record.num_steps += 1
         k = live.step_index
