@@ -103,14 +103,7 @@ class SimReplay:
 
     def run(self) -> ReplayResult:
         t0 = self.clock()
-        arrivals = arrival_times(self.sessions, self.load, self.seed)
-        if arrivals is None:
-            self._queue = list(reversed(self.sessions))
-            for _ in range(min(self.load.concurrency, len(self.sessions))):
-                self._at(t0, "agent", None)
-        else:
-            for trace, at_s in zip(self.sessions, arrivals):
-                self._at(t0 + at_s, "arrive", trace)
+        self._queue = schedule_load(self._at, self.sessions, self.load, self.seed, t0)
         eng = self.engine
         progress_s = self.clock()
         while self._events or eng.has_unfinished():
@@ -272,6 +265,20 @@ class SimReplay:
         sample.update({k: v for k, v in u.items() if k.startswith("sessions_")})
         self.kv_samples.append(sample)
         self._next_kv_s = now + KV_SAMPLE_PERIOD_S
+
+
+def schedule_load(at: Callable[[float, str, object], None], sessions: Sequence[AgentSession], load: LoadSpec,
+                  seed: int, t0: float) -> list[AgentSession]:
+    """The load's first events from `t0`: closed loop, an "agent" per concurrent agent, taking sessions from
+    the returned queue (last first); open loop, each session's "arrive" (the queue is empty)."""
+    arrivals = arrival_times(sessions, load, seed)
+    if arrivals is not None:
+        for trace, at_s in zip(sessions, arrivals):
+            at(t0 + at_s, "arrive", trace)
+        return []
+    for _ in range(min(load.concurrency, len(sessions))):
+        at(t0, "agent", None)
+    return list(reversed(sessions))
 
 
 def step_result(seq: CoreSequence, sent_s: float) -> StepResult:

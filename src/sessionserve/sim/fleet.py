@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.router import policy as rp
-from sessionserve.sim.driver import IDLE_TICK_S, SimStalled, step_result
+from sessionserve.sim.driver import IDLE_TICK_S, SimStalled, schedule_load, step_result
 from sessionserve.sim.engine import SimEngine
 from sessionserve.workload.inproc import fold_session_stats
 from sessionserve.workload.prompts import PromptBuilder
-from sessionserve.workload.replay import LoadSpec, ReplayResult, SessionRecord, StepRecord, arrival_times
+from sessionserve.workload.replay import LoadSpec, ReplayResult, SessionRecord, StepRecord
 from sessionserve.workload.trace import AgentSession
 
 ROUTERS = ("session", "p2c")
@@ -134,14 +134,7 @@ class FleetReplay:
         t0 = max(e.clock() for e in self.engines)
         for e in self.engines:
             e.clock.advance_to(t0)
-        arrivals = arrival_times(self.sessions, self.load, self.seed)
-        if arrivals is None:
-            self._queue = list(reversed(self.sessions))
-            for _ in range(min(self.load.concurrency, len(self.sessions))):
-                self._at(t0, "agent", None)
-        else:
-            for trace, at_s in zip(self.sessions, arrivals):
-                self._at(t0 + at_s, "arrive", trace)
+        self._queue = schedule_load(self._at, self.sessions, self.load, self.seed, t0)
         progress_s = t0
         while True:
             busy = [(e.clock(), i) for i, e in enumerate(self.engines) if e.has_unfinished()]
