@@ -30,6 +30,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from sessionserve.cache.block_hash import extend_block_hashes
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.router import policy as rp
 from sessionserve.sim.driver import IDLE_TICK_S, SimStalled, schedule_load, step_result
@@ -94,6 +95,7 @@ class _Live:
     trace: AgentSession
     record: SessionRecord
     history: list[int] = field(default_factory=list)  # what the client would resend: prompts and outputs
+    hashes: list[bytes] = field(default_factory=list)  # its full blocks' chained hashes, as the router keys them
     homes: dict[int, str] = field(default_factory=dict)  # replica -> the engine session it holds for this one
     step_index: int = 0
     step_start_s: float = 0.0
@@ -227,12 +229,15 @@ class FleetReplay:
         step = trace.steps[k]
         new_ids = self.builder.step_tokens(trace.session_id, k, step)
         kept = step.context_kept_tokens
+        bs = self.engines[0].kv.block_size
         if kept is not None and kept < len(live.history):  # the client cut its context: no copy matches now
             del live.history[kept:]
+            del live.hashes[kept // bs:]
             self._close_homes(live)
         prompt = live.history + new_ids
+        # The history only grows between cuts: its full blocks keep their hashes, so each step hashes its own.
         key = rp.RouteKey(session_key=trace.session_id,
-                          block_hashes=tuple(self.engines[0].kv.block_hashes(prompt)))
+                          block_hashes=tuple(extend_block_hashes(live.hashes, prompt, bs)))
         loads = self._loads()
         i = self.router.route(key, loads)
         eng = self.engines[i]
