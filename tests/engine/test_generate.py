@@ -140,6 +140,38 @@ def test_min_tokens_and_eos(llm: LLM) -> None:
     assert len(out.token_ids) == 5 and out.token_ids[-1] == eos and out.finish_reason == "stop"
 
 
+def hf_greedy_with_penalties(path: Path, prompt: list[int], n: int, presence: float, frequency: float) -> list[int]:
+    """Greedy decoding on HF's logits with OpenAI's penalties over the generated tokens, one token at a time."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
+            out.append(int((logits - frequency * counts - presence * (counts > 0).float()).argmax()))
+    return out
+
+
+def test_penalties_equal_their_reference_on_hf_logits(tiny_llama: Path, llm: LLM) -> None:
+    ps = prompts(3, seed=5)
+    rep = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.8)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    greedy = [o.token_ids for o in llm.generate(ps, GREEDY)]
+    rep_outs = llm.generate(ps, rep)
+    assert [o.token_ids for o in rep_outs] != greedy  # the penalty changes what greedy picks on this model
+    for p, got in zip(ps, rep_outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                               repetition_penalty=1.8)[0, len(p):].tolist()
+        assert got.token_ids == want
+    pf = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5)
+    outs = llm.generate(ps, pf)
+    for p, got in zip(ps, outs):
+        assert got.token_ids == hf_greedy_with_penalties(tiny_llama, p, 12, 1.5, 0.5)
+    assert [o.token_ids for o in outs] != greedy
+    assert_clean(llm)
+
+
 def test_context_length_limit(tiny_llama: Path) -> None:
     small = LLM(model=str(tiny_llama), num_blocks=64, max_model_len=32)
     out = small.generate([list(range(100, 125))], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]

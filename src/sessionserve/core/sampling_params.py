@@ -31,6 +31,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Extra per-request bias on token ids (OpenAI logit_bias).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # OpenAI's penalties on the tokens this request generated: subtracted from a token's logit once if it
+    # appeared (presence) and once per time it appeared (frequency). Range [-2, 2]; 0: off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM / HF's multiplicative penalty on every token of the prompt and the output: a positive logit is
+    # divided by it, a negative one multiplied. 1: off; > 1 discourages repeats.
+    repetition_penalty: float = 1.0
     # Structured output: the text must match this constraint (JSON, a schema, tool calls).
     guided: GuidedDecoding | None = None
     # Let the server draft tokens for this request when speculative decoding is on (False: opt out).
@@ -57,6 +64,9 @@ class SamplingParams:
                "must be non-negative integers")
         _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
         _check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias", "values must be in [-100, 100]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
         _check(self.guided is None or isinstance(self.guided, GuidedDecoding), "guided", "must be a GuidedDecoding")
 
     @property
@@ -64,9 +74,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether the logits depend on the tokens seen so far (presence, frequency or repetition penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
     def can_speculate(self) -> bool:
         """Drafted tokens are verified by plain sampling: not with per-token logits edits or logprobs."""
-        return self.speculate and self.guided is None and self.logprobs is None and not self.logit_bias
+        return (self.speculate and self.guided is None and self.logprobs is None and not self.logit_bias
+                and not self.has_penalties)
 
 
 def _check(ok: bool, name: str, why: str) -> None:

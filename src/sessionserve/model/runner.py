@@ -97,6 +97,7 @@ class ModelRunner:
         self.use_tiles = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and tile_attention.available()
                           and tile_attention.supports_shape(self.arch.head_dim))
         self._generators: dict[str, tuple[Sequence, torch.Generator]] = {}
+        self._prompt_seen: dict[str, tuple[Sequence, torch.Tensor]] = {}  # repetition_penalty's prompt masks
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(model_config.seed)
         # Structured outputs: compiler built on first guided request; matcher state per request id.
@@ -268,21 +269,31 @@ class ModelRunner:
         # A guided request ends when its grammar does: banning EOS there would leave no token.
         if seq.num_output_tokens < params.min_tokens and params.guided is None:
             banned = tuple(set(seq.eos_token_ids) | set(params.stop_token_ids))
+        output_ids = seq.output_token_ids if params.has_penalties else None
+        prompt_seen = self._prompt_mask(seq) if params.repetition_penalty != 1.0 else None
         if params.is_greedy:
-            return SampleRow(params, None, banned)
+            return SampleRow(params, None, banned, output_ids, prompt_seen)
         if params.seed is None:
-            return SampleRow(params, self._default_generator, banned)
+            return SampleRow(params, self._default_generator, banned, output_ids, prompt_seen)
         entry = self._generators.get(seq.request_id)
         if entry is None or entry[0] is not seq:
-            self._drop_finished_generators()
+            _drop_finished(self._generators)
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
             entry = self._generators[seq.request_id] = (seq, gen)
-        return SampleRow(params, entry[1], banned)
+        return SampleRow(params, entry[1], banned, output_ids, prompt_seen)
 
-    def _drop_finished_generators(self) -> None:
-        for rid in [rid for rid, (s, _) in self._generators.items() if s.is_finished]:
-            del self._generators[rid]
+    def _prompt_mask(self, seq: Sequence) -> torch.Tensor:
+        """(V,) bool: which tokens the prompt holds; built once per request (a prompt may be 100k tokens)."""
+        entry = self._prompt_seen.get(seq.request_id)
+        if entry is None or entry[0] is not seq:
+            _drop_finished(self._prompt_seen)
+            vocab = self.arch.vocab_size
+            ids = torch.tensor(seq.token_ids[:seq.num_prompt_tokens], dtype=torch.long, device=self.device)
+            mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            mask[ids[ids < vocab]] = True
+            entry = self._prompt_seen[seq.request_id] = (seq, mask)
+        return entry[1]
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -303,8 +314,7 @@ class ModelRunner:
             return None
         entry = self._constraints.get(seq.request_id)
         if entry is None or entry[0] is not seq:
-            for rid in [rid for rid, (s, _) in self._constraints.items() if s.is_finished]:
-                del self._constraints[rid]
+            _drop_finished(self._constraints)
             constraint = self.grammar_compiler.constraint(guided, seq.sampling_params.stop_token_ids)
             entry = self._constraints[seq.request_id] = (seq, constraint)
         constraint = entry[1]
@@ -312,3 +322,8 @@ class ModelRunner:
             constraint.sync(seq.output_token_ids)  # tokens that reached the output without `accept`
         return constraint
 
+
+def _drop_finished(per_request: dict[str, tuple[Sequence, object]]) -> None:
+    """Forget the state of finished requests (their ids may be reused by later requests)."""
+    for rid in [rid for rid, (s, _) in per_request.items() if s.is_finished]:
+        del per_request[rid]

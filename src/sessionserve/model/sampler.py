@@ -1,4 +1,4 @@
-"""Picks next tokens from logits: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
+"""Picks next tokens from logits: greedy, temperature, top-k, top-p, min-p, penalties, per-request seeds."""
 
 from __future__ import annotations
 
@@ -16,6 +16,31 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None  # per-request stream when a seed was given
     banned: tuple[int, ...] = ()  # e.g. EOS before min_tokens
+    output_ids: list[int] | None = None  # tokens generated so far; set when the params penalize repeats
+    prompt_seen: torch.Tensor | None = None  # (V,) bool: the prompt's tokens, for repetition_penalty
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
+                    prompt_seen: torch.Tensor | None) -> None:
+    """Edit one row of logits (V,) in place: repetition (prompt and output), then frequency and presence (output).
+
+    The semantics of vLLM (and HF's `repetition_penalty`): a seen token's
+    positive logit is divided by the repetition penalty, a negative one
+    multiplied; OpenAI's frequency penalty is subtracted once per time a token
+    was generated, the presence penalty once if it was generated at all.
+    """
+    vocab = logits.shape[-1]
+    ids = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
+    counts = torch.bincount(ids, minlength=vocab)[:vocab]  # (V,)
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        if prompt_seen is not None:
+            seen |= prompt_seen
+        r = params.repetition_penalty
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits))
+    if params.frequency_penalty or params.presence_penalty:
+        counts = counts.to(logits.dtype)
+        logits.sub_(counts * params.frequency_penalty + (counts > 0).to(logits.dtype) * params.presence_penalty)
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -39,7 +64,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Next token per row of `logits` (S, V) -> (S,) int64 on the CPU."""
-    needs_edit = [i for i, r in enumerate(rows) if r.banned or r.params.logit_bias]
+    needs_edit = [i for i, r in enumerate(rows) if r.banned or r.params.logit_bias or r.output_ids is not None]
     if needs_edit:
         logits = logits.clone()
         for i in needs_edit:
@@ -48,6 +73,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
                 ids = torch.tensor(list(r.params.logit_bias), device=logits.device)
                 vals = torch.tensor(list(r.params.logit_bias.values()), device=logits.device, dtype=logits.dtype)
                 logits[i].index_add_(0, ids, vals)
+            if r.output_ids is not None:
+                apply_penalties(logits[i], r.params, r.output_ids, r.prompt_seen)
             if r.banned:
                 logits[i, list(r.banned)] = float("-inf")
     out = logits.argmax(dim=-1)

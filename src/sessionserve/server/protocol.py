@@ -168,6 +168,9 @@ def sampling_kwargs(req: ChatCompletionRequest | CompletionRequest, default_max_
         "min_tokens": min_tokens,
         "logprobs": logprobs,
         "logit_bias": dict(req.logit_bias or {}),
+        "presence_penalty": float(req.presence_penalty or 0.0),
+        "frequency_penalty": float(req.frequency_penalty or 0.0),
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
         "speculate": req.speculate is not False,
     }
 

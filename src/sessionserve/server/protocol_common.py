@@ -179,8 +179,8 @@ class SamplingRequest(RequestModel):
     seed: int | None = None
     stop: Any = None
     n: int | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, ignored
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, ignored
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: Any = None
     user: str | None = None
     # Session extension.
@@ -190,6 +190,7 @@ class SamplingRequest(RequestModel):
     min_tokens: int | None = Field(default=None, ge=0)
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     # Speculative decoding opt-out for this request (the server drafts only when started with it).
     speculate: bool | None = None

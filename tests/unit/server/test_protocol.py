@@ -98,6 +98,8 @@ def test_tool_call_arguments_given_as_object_become_json() -> None:
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
@@ -163,11 +165,13 @@ def test_sampling_kwargs_defaults_and_mapping() -> None:
     SamplingParams(**kw)
     req = P.parse_chat_request(chat(max_tokens=5, temperature=0, top_p=0.9, seed=7, stop="END", logprobs=True,
                                     top_logprobs=3, logit_bias={"11": 5}, ignore_eos=True, min_tokens=2, top_k=4,
-                                    min_p=0.1, stop_token_ids=[2], speculate=False))
+                                    min_p=0.1, stop_token_ids=[2], speculate=False, presence_penalty=0.5,
+                                    frequency_penalty=-0.25, repetition_penalty=1.2))
     kw = P.sampling_kwargs(req, default_max_tokens=1000)
     assert kw == {"max_tokens": 5, "temperature": 0.0, "top_p": 0.9, "top_k": 4, "min_p": 0.1, "seed": 7,
                   "stop": ("END",), "stop_token_ids": (2,), "ignore_eos": True, "min_tokens": 2, "logprobs": 3,
-                  "logit_bias": {11: 5.0}, "speculate": False}
+                  "logit_bias": {11: 5.0}, "presence_penalty": 0.5, "frequency_penalty": -0.25,
+                  "repetition_penalty": 1.2, "speculate": False}
     assert SamplingParams(**kw).is_greedy
     # logprobs without top_logprobs: the sampled token's only.
     assert P.sampling_kwargs(P.parse_chat_request(chat(logprobs=True)), 10)["logprobs"] == 0

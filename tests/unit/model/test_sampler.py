@@ -1,0 +1,77 @@
+"""Sampler logits edits against their definitions: OpenAI's presence/frequency penalties, HF's repetition penalty."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sessionserve import SamplingParams
+from sessionserve.model.sampler import SampleRow, apply_penalties, sample
+
+transformers = pytest.importorskip("transformers")
+
+V = 50
+
+
+def openai_penalties(logits: torch.Tensor, output_ids: list[int], presence: float, frequency: float) -> torch.Tensor:
+    """The formula of OpenAI's docs, token by token: mu[j] - c[j] * frequency - (c[j] > 0) * presence."""
+    out = logits.clone()
+    for j in range(out.shape[0]):
+        c = output_ids.count(j)
+        out[j] -= c * frequency + (1.0 if c > 0 else 0.0) * presence
+    return out
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.5, 0.0), (0.0, 0.7), (1.5, -0.3), (-2.0, 2.0)])
+def test_presence_and_frequency_follow_openai(presence: float, frequency: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(V, generator=g)
+    output_ids = [3, 3, 7, 49, 3, 0]
+    got = logits.clone()
+    apply_penalties(got, SamplingParams(presence_penalty=presence, frequency_penalty=frequency), output_ids, None)
+    torch.testing.assert_close(got, openai_penalties(logits, output_ids, presence, frequency))
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 4.0])
+def test_repetition_penalty_equals_hf_over_prompt_and_output(penalty: float) -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(V, generator=g) * 3
+    prompt, output = [1, 2, 2, 9, 30], [9, 11, 44]
+    seen = torch.zeros(V, dtype=torch.bool)
+    seen[prompt] = True
+    got = logits.clone()
+    apply_penalties(got, SamplingParams(repetition_penalty=penalty), output, seen)
+    hf = transformers.RepetitionPenaltyLogitsProcessor(penalty)
+    want = hf(torch.tensor([prompt + output]), logits.clone()[None])[0]
+    torch.testing.assert_close(got, want)
+
+
+def test_no_output_yet_penalizes_only_the_prompt() -> None:
+    logits = torch.ones(V)
+    seen = torch.zeros(V, dtype=torch.bool)
+    seen[4] = True
+    apply_penalties(logits, SamplingParams(repetition_penalty=2.0, presence_penalty=1.0), [], seen)
+    assert logits[4] == 0.5 and logits[5] == 1.0 and (logits == 1.0).sum() == V - 1
+
+
+def test_greedy_sample_takes_the_penalized_logits() -> None:
+    logits = torch.zeros(2, V)
+    logits[:, 7] = 1.0  # the greedy choice of both rows...
+    logits[:, 8] = 0.9
+    params = SamplingParams(temperature=0, frequency_penalty=0.2)
+    rows = [SampleRow(params, None, (), output_ids=[7]), SampleRow(params, None, (), output_ids=[8])]
+    assert sample(logits, rows).tolist() == [8, 7]  # ...until it was generated before
+    assert logits[0, 7] == 1.0  # the caller's logits are not edited
+
+
+@pytest.mark.parametrize("kwargs", [{"presence_penalty": 2.5}, {"frequency_penalty": -3.0},
+                                    {"repetition_penalty": 0.0}, {"repetition_penalty": float("nan")}])
+def test_bad_penalties_raise(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="invalid sampling parameter"):
+        SamplingParams(**kwargs)
+
+
+def test_penalties_turn_off_speculation() -> None:
+    assert SamplingParams().can_speculate
+    assert not SamplingParams(presence_penalty=0.1).can_speculate
+    assert not SamplingParams(repetition_penalty=1.1).can_speculate
