@@ -227,6 +227,7 @@ def test_metrics_move_with_traffic(server: LiveServer) -> None:
     assert requests_total() == before + 1
     text = httpx.get(server.url + "/metrics").text
     assert "sessionserve_time_to_first_token_seconds_bucket" in text and "sessionserve_kv_blocks" in text
+    assert 'sessionserve_num_preemptions{cause="memory",model="tiny"} 0.0' in text
     # CPU roles: the chat was rendered on the tokenize pool and stepped by the engine thread.
     seconds = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("sessionserve_cpu_role_seconds{")}

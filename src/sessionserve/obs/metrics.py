@@ -33,6 +33,9 @@ class Metrics:
         # Engine gauges carry the model's name: a server may run several engines.
         self.queue_depth = Gauge("sessionserve_num_requests_waiting", "Requests waiting to run", labels, registry=r)
         self.running = Gauge("sessionserve_num_requests_running", "Requests running", labels, registry=r)
+        self.preemptions = Gauge("sessionserve_num_preemptions", "Requests whose computed KV was freed, to be "
+                                 "recomputed, since start (cause: memory, or priority for a waiting interactive turn)",
+                                 labels + ["cause"], registry=r)
         self.sessions = Gauge("sessionserve_sessions", "Open sessions by state/residency", labels + ["residency"],
                               registry=r)
         self.kv_blocks = Gauge("sessionserve_kv_blocks", "KV blocks in use by tier", labels + ["tier"], registry=r)
@@ -89,6 +92,8 @@ class Metrics:
         sched = eng.core.scheduler
         self.queue_depth.labels(m).set(len(sched.waiting))
         self.running.labels(m).set(len(sched.running))
+        self.preemptions.labels(m, "memory").set(sched.num_preemptions - sched.num_priority_preemptions)
+        self.preemptions.labels(m, "priority").set(sched.num_priority_preemptions)
         usage = eng.kv_usage()
         self.kv_blocks.labels(m, "device").set(usage["device_blocks_used"])
         self.shared_kv_bytes.labels(m).set(usage.get("device_blocks_shared", 0) * usage["block_bytes"])
