@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     train.add_argument("--pair", action="store_true",
                        help="train a target and a smaller draft with the same tokenizer, into OUT/target and "
                             "OUT/draft (default <cache>/trained-target and <cache>/trained-draft)")
-    train.add_argument("--train-shape", choices=("target", "draft", "large", "mini", "tiny"), default="target",
+    train.add_argument("--train-shape", choices=("target", "draft", "large", "xl", "mini", "tiny"), default="target",
                        help="the one shape trained without --pair")
     train.add_argument("--train-steps", type=int, default=None,
                        help="optimizer steps per model (default: train.DEFAULT_NUM_STEPS)")

@@ -85,6 +85,10 @@ SHAPES: dict[str, TrainShape] = {
     # ~39M params: a target with a wider gap to its draft (8 x 512).
     "large": TrainShape(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                         intermediate_size=1408),
+    # ~129M params: the shape of the embedded llama-small (12 x 768, GQA 12/4), trained: a large model
+    # 13x the 2 x 256 draft, whose steps cost what a large model's do beside it (see README).
+    "xl": TrainShape(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                     intermediate_size=3072),
     # ~4.4M params, most of them the embedding and lm_head: a draft whose step costs little beside its
     # target's (2 x 128); distill it (`--distill-from`) so that it agrees with the target.
     "mini": TrainShape(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
