@@ -31,6 +31,23 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
+def sustained_sessions_per_hour(result: ReplayResult) -> float | None:
+    """Closed loop: agents / mean JCT, the rate the load sustains (the response-time law X = N / (R + Z)).
+
+    A finite replay ends with a drain: the last sessions run with fewer and
+    fewer agents still busy, and completed / makespan then counts that tail
+    (set by the few sessions with the longest waits) against the load. Each
+    agent runs its sessions back to back, so while all are busy sessions end
+    at N / E[JCT] per unit of time. None for open loop, with no completed
+    session, or when there are no more sessions than agents.
+    """
+    done = [s.jct_s for s in result.sessions if s.jct_s is not None]
+    agents = min(result.load.concurrency, len(result.sessions))
+    if result.load.mode != "closed" or not done or len(result.sessions) <= agents:
+        return None
+    return 3600 * agents / (sum(done) / len(done))
+
+
 def summarize(result: ReplayResult) -> dict[str, float | int | str | None]:
     """The headline figures of one replay run (one policy at one load)."""
     done = [s for s in result.sessions if s.end_s is not None]
@@ -52,6 +69,7 @@ def summarize(result: ReplayResult) -> dict[str, float | int | str | None]:
         "first_error": next((s.error for s in result.sessions if s.error), None),
         "num_steps": len(result.steps), "makespan_s": result.makespan_s,
         "sessions_per_hour": 3600 * len(done) / result.makespan_s if result.makespan_s > 0 else None,
+        "sessions_per_hour_sustained": sustained_sessions_per_hour(result),
         "jct_p50_s": percentile(jct, 0.5), "jct_p90_s": percentile(jct, 0.9), "jct_p99_s": percentile(jct, 0.99),
         "jct_mean_s": sum(jct) / len(jct) if jct else None,
         "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),

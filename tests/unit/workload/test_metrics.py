@@ -41,6 +41,8 @@ def run(jcts: list[float], recompute: int, load: int, hits: int = 0, misses: int
 def test_summarize_counts_rates_and_fractions() -> None:
     s = summarize(run([1.0, 2.0, 3.0, 4.0], recompute=40, load=2, hits=1, misses=1))
     assert s["num_completed"] == 4 and s["sessions_per_hour"] == pytest.approx(3600.0)
+    assert s["sessions_per_hour_sustained"] == pytest.approx(3600 * 2 / 2.5)  # 2 agents / mean JCT
+    assert summarize(run([1.0, 2.0], recompute=0, load=2))["sessions_per_hour_sustained"] is None  # no queue
     assert s["jct_p50_s"] == pytest.approx(2.5) and s["recompute_tokens"] == pytest.approx(40)
     assert s["prefetch_hit_rate"] == pytest.approx(0.5)  # 4 hits / (4 hits + 4 misses)
     assert s["cached_fraction"] == pytest.approx(0.6) and s["cpu_busy_fraction"] == pytest.approx(0.5)
