@@ -1,4 +1,4 @@
-"""The fused RMSNorm/RoPE ops and pre-packed linears against the eager expressions they replace."""
+"""The fused RMSNorm/RoPE/SiLU ops and pre-packed linears against the eager expressions they replace."""
 
 from __future__ import annotations
 
@@ -36,6 +36,29 @@ def test_rms_norm_with_residual_add_matches_eager(dtype: torch.dtype, tol: float
     atol = tol if dtype == torch.float32 else 0.0
     rtol = 1e-5 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n", [(1, 64), (5, 200), (300, 3072)])  # 200: a tail past the 16-lane vectors
+def test_silu_and_mul_matches_eager(dtype: torch.dtype, rows: int, n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    gate_up = (torch.randn(rows, 2 * n, generator=g) * 4).to(dtype)
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-3, -200.0])  # signs, saturation, the exp clamp
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate).mul(up)
+    got = torch.ops.sessionserve_kernels.silu_and_mul(gate_up)
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), got if dtype == torch.float32 else expected,
+                               rtol=0, atol=0)  # the wrapper: the kernel in fp32, eager in bf16
+    # fp32: the polynomial exp is within a few ulp; bf16: the rounded silu may land one ulp off at a tie.
+    rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else (2 ** -7, 1e-30)
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+    if dtype == torch.bfloat16:
+        assert (got != expected).float().mean() < 0.01  # nearly all exactly eager's
+    wide = torch.zeros(rows, 4 * n, dtype=dtype)
+    wide[:, ::2] = gate_up
+    strided = wide[:, ::2]  # same values, columns two apart: the eager path
+    sg, su = strided.chunk(2, dim=-1)  # the wrapper's eager path
+    torch.testing.assert_close(fused_ops.silu_and_mul(strided), F.silu(sg).mul_(su), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

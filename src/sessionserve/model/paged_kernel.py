@@ -450,7 +450,8 @@ def _load() -> bool:
                 verbose=False,
             )
             ops = torch.ops.sessionserve_kernels
-            if all(hasattr(ops, name) for name in ("paged_attention", "rms_norm", "rope_", "tile_attention_")):
+            if all(hasattr(ops, name) for name in ("paged_attention", "rms_norm", "rope_", "silu_and_mul",
+                                                       "tile_attention_")):
                 return True
         except Exception as exc:  # noqa: BLE001 - any build failure means: next flags, then the fallback
             errors.append(f"{' '.join(cflags)}: {exc}")
