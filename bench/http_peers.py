@@ -14,6 +14,9 @@ series runs with no host tier at all to show what the engine alone does.
 
     .venv/bin/python bench/http_peers.py                      # ours (predictive), ours device-only, vLLM
     .venv/bin/python bench/http_peers.py --servers ours,vllm --loads 16
+    # the comparison in bench/RESULTS.md: vLLM's dtype, 8+ sessions per agent so the drain is a small share
+    .venv/bin/python bench/http_peers.py --servers ours,vllm --num-sessions 400 --loads 16,48 \
+        --dtype bfloat16 --kv-cache-bytes 50331648
     # an unmodified client (no session ids) vs explicit ids vs a stateless server
     .venv/bin/python bench/http_peers.py --servers ours,ours-no-ids,ours-discard --baseline ours-discard
 
