@@ -41,12 +41,14 @@ def build_results(trace: TraceSet, runs: dict[str, list[ReplayResult]], *, meta:
         series[name] = {
             "sessions_per_hour_at_slo": goodput_at_slo(load_points(sums), slo_jct_s) if slo_jct_s else None,
             "sessions_per_hour": ref["sessions_per_hour"],
+            "sessions_per_hour_sustained": ref.get("sessions_per_hour_sustained"),
             **{k: ref[k] for k in HEADLINE_KEYS},
             "loads": sums,
         }
     b = series[base]
     for s in series.values():
         s["vs_baseline"] = {k: ratio(s[k], b[k]) for k in ("sessions_per_hour_at_slo", "sessions_per_hour",
+                                                           "sessions_per_hour_sustained",
                                                            "jct_p50_s", "jct_p99_s", "ttft_p99_s", "recompute_tokens")}
     return {
         "version": RESULTS_VERSION,
