@@ -18,7 +18,8 @@ tool errors (the trace carries no results: a stated share of tool results
 are error outputs, `--tool-error-rate`). Closed loop of `--agents` concurrent
 agents; tool waits from the trace, divided by `--time-scale`.
 
-Reported per mode: sessions/hour (completed sessions / makespan), JCT p50/p99,
+Reported per mode: sessions/hour (completed sessions / makespan; and sustained,
+agents / mean JCT, without the drain at the end of the run), JCT p50/p99,
 step latency p50/p99, the share of steps the small model ran, escalations.
 
     .venv/bin/python bench/model_routing.py                   # trained pair, 16 agents
@@ -181,7 +182,11 @@ async def run_mode(url: str, sessions: list[AgentSession], mode: str, cutter: Te
 
     return {"mode": mode, "sessions": len(logs), "completed": len(done),
             "failed": [lg.failed for lg in logs if lg.failed][:3], "makespan_s": makespan,
-            "sessions_per_hour": len(done) / makespan * 3600, "jct_p50_s": pct(jct, 0.5), "jct_p99_s": pct(jct, 0.99),
+            "sessions_per_hour": len(done) / makespan * 3600,
+            # agents / mean JCT: the rate while every agent has a session, without the drain at the end
+            "sessions_per_hour_sustained": (3600 * min(a.agents, len(logs)) / statistics.fmean(jct)
+                                            if jct and len(logs) > a.agents else None),
+            "jct_p50_s": pct(jct, 0.5), "jct_p99_s": pct(jct, 0.99),
             "step_p50_s": pct(lat, 0.5), "step_p99_s": pct(lat, 0.99), "steps": len(steps),
             "share_small": sum(st.model == a.small_name for st in steps) / max(1, len(steps)),
             "escalations": sum(st.escalated for st in steps),
@@ -252,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
                 res = asyncio.run(run_mode(url, sessions, mode, cutter, a, f"{mode}{r}"))
                 res["round"] = r
                 runs.append(res)
-                print(f"[{mode} #{r}] {res['sessions_per_hour']:.0f} sessions/h, JCT p50 {res['jct_p50_s']:.1f} s "
+                print(f"[{mode} #{r}] {res['sessions_per_hour']:.0f} sessions/h (sustained "
+                      f"{res['sessions_per_hour_sustained'] or 0:.0f}), JCT p50 {res['jct_p50_s']:.1f} s "
                       f"p99 {res['jct_p99_s']:.1f} s, small {res['share_small']:.0%}, escalations "
                       f"{res['escalations']}, failed {res['sessions'] - res['completed']}", file=sys.stderr,
                       flush=True)
@@ -266,6 +272,12 @@ def main(argv: list[str] | None = None) -> None:
               zip([r for r in runs if r["mode"] == "auto"], [r for r in runs if r["mode"] == "large"], strict=True)]
     summary["auto_over_large_sessions_per_hour"] = {"per_round": ratios, "min": min(ratios),
                                                     "median": statistics.median(ratios)}
+    sustained = [a_["sessions_per_hour_sustained"] / b["sessions_per_hour_sustained"] for a_, b in
+                 zip([r for r in runs if r["mode"] == "auto"], [r for r in runs if r["mode"] == "large"], strict=True)
+                 if a_["sessions_per_hour_sustained"] and b["sessions_per_hour_sustained"]]
+    if sustained:
+        summary["auto_over_large_sessions_per_hour_sustained"] = {
+            "per_round": sustained, "min": min(sustained), "median": statistics.median(sustained)}
     result = {"command": shlex.join(["bench/model_routing.py", *(argv if argv is not None else sys.argv[1:])]),
               "server": shlex.join(cmd), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": _machine(),
               "trace": trace.name, "provenance": list(trace.provenance), "settings": vars(a) | {
