@@ -76,6 +76,29 @@ def test_abort_mid_generation_frees_blocks(llm: LLM) -> None:
     assert_clean(llm)
 
 
+def test_penalties_survive_preemption_and_leave_no_state(tiny_llama: Path) -> None:
+    ps = prompts(8, seed=2)
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True, repetition_penalty=1.5,
+                            frequency_penalty=0.5)
+    roomy = LLM(model=str(tiny_llama), num_blocks=256)
+    tight = LLM(model=str(tiny_llama), num_blocks=14, block_size=16, enable_prefix_caching=False)
+    want = [o.token_ids for o in roomy.generate(ps, params)]
+    assert [o.token_ids for o in tight.generate(ps, params)] == want  # recomputed outputs still count
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    eng = tight.engine
+    ids = [eng.add_request(p, params) for p in ps[:2]]
+    eng.step()
+    for rid in ids:
+        assert eng.abort(rid)
+    eng.add_request(ps[2], GREEDY)
+    eng.step()  # the aborted requests' per-request sampling state goes with the next step
+    runner = eng.runner
+    assert not runner._prompt_seen and not runner._generators
+    while eng.has_unfinished():
+        eng.step()
+    assert_clean(tight)
+
+
 def test_prefix_cache_reuses_blocks_across_requests(llm: LLM) -> None:
     shared = prompts(1, 4)[0] * 3  # > 2 blocks
     a = llm.generate([shared + [11, 12]], GREEDY)[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from sessionserve.core.guided import GuidedDecoding
@@ -50,6 +51,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            _check(_is_number(getattr(self, name)), name, "must be a number")
         _check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be an integer >= 0")
@@ -66,7 +69,7 @@ class SamplingParams:
         _check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias", "values must be in [-100, 100]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
+        _check(0.0 < self.repetition_penalty < math.inf, "repetition_penalty", "must be > 0")
         _check(self.guided is None or isinstance(self.guided, GuidedDecoding), "guided", "must be a GuidedDecoding")
 
     @property
@@ -83,6 +86,10 @@ class SamplingParams:
         """Drafted tokens are verified by plain sampling: not with per-token logits edits or logprobs."""
         return (self.speculate and self.guided is None and self.logprobs is None and not self.logit_bias
                 and not self.has_penalties)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, why: str) -> None:

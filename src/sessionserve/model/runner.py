@@ -111,6 +111,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
+        for per_request in (self._generators, self._prompt_seen, self._constraints):
+            if per_request:  # a finished or aborted request's state (and its Sequence) goes now, not on a later miss
+                _drop_finished(per_request)
         input_ids, positions, meta, logits_rows, sampled_seqs = self.prepare_batch(plan)
         all_logits = self.model(input_ids, positions, self.kv_caches, meta, logits_rows)  # (S + spec rows, V)
         logits = all_logits[:len(sampled_seqs)]
@@ -277,7 +280,6 @@ class ModelRunner:
             return SampleRow(params, self._default_generator, banned, output_ids, prompt_seen)
         entry = self._generators.get(seq.request_id)
         if entry is None or entry[0] is not seq:
-            _drop_finished(self._generators)
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
             entry = self._generators[seq.request_id] = (seq, gen)
@@ -287,7 +289,6 @@ class ModelRunner:
         """(V,) bool: which tokens the prompt holds; built once per request (a prompt may be 100k tokens)."""
         entry = self._prompt_seen.get(seq.request_id)
         if entry is None or entry[0] is not seq:
-            _drop_finished(self._prompt_seen)
             vocab = self.arch.vocab_size
             ids = torch.tensor(seq.token_ids[:seq.num_prompt_tokens], dtype=torch.long, device=self.device)
             mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
@@ -314,7 +315,6 @@ class ModelRunner:
             return None
         entry = self._constraints.get(seq.request_id)
         if entry is None or entry[0] is not seq:
-            _drop_finished(self._constraints)
             constraint = self.grammar_compiler.constraint(guided, seq.sampling_params.stop_token_ids)
             entry = self._constraints[seq.request_id] = (seq, constraint)
         constraint = entry[1]

@@ -190,7 +190,7 @@ class SamplingRequest(RequestModel):
     min_tokens: int | None = Field(default=None, ge=0)
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     # Speculative decoding opt-out for this request (the server drafts only when started with it).
     speculate: bool | None = None

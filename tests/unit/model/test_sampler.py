@@ -65,10 +65,27 @@ def test_greedy_sample_takes_the_penalized_logits() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"presence_penalty": 2.5}, {"frequency_penalty": -3.0},
-                                    {"repetition_penalty": 0.0}, {"repetition_penalty": float("nan")}])
+                                    {"repetition_penalty": 0.0}, {"repetition_penalty": float("nan")},
+                                    {"repetition_penalty": float("inf")}, {"presence_penalty": None},
+                                    {"repetition_penalty": "1.2"}, {"frequency_penalty": True},
+                                    {"temperature": "0.7"}])
 def test_bad_penalties_raise(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="invalid sampling parameter"):
         SamplingParams(**kwargs)
+
+
+def test_large_repetition_penalty_is_accepted() -> None:
+    assert SamplingParams(repetition_penalty=12.0).has_penalties  # vLLM only asks for > 0
+
+
+def test_rows_without_penalties_keep_their_logits_in_a_mixed_batch() -> None:
+    logits = torch.zeros(2, V)
+    logits[:, 7] = 1.0
+    logits[:, 8] = 0.9
+    penalized = SamplingParams(temperature=0, presence_penalty=0.5)
+    plain = SamplingParams(temperature=0)
+    rows = [SampleRow(penalized, None, (), output_ids=[7]), SampleRow(plain, None, ())]
+    assert sample(logits, rows).tolist() == [8, 7]
 
 
 def test_penalties_turn_off_speculation() -> None:
