@@ -18,8 +18,9 @@ tool errors (the trace carries no results: a stated share of tool results
 are error outputs, `--tool-error-rate`). Closed loop of `--agents` concurrent
 agents; tool waits from the trace, divided by `--time-scale`.
 
-Reported per mode: sessions/hour (completed sessions / makespan; and sustained,
-agents / mean JCT, without the drain at the end of the run), JCT p50/p99,
+Reported per mode: sessions/hour (completed sessions / makespan; and sustained:
+completions between the first completion and the last start, per hour, without
+the drain at the end of the run), JCT p50/p99,
 step latency p50/p99, the share of steps the small model ran, escalations.
 
     .venv/bin/python bench/model_routing.py                   # trained pair, 16 agents
@@ -48,6 +49,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from sessionserve.cli_bench import _machine  # noqa: E402
 from sessionserve.workload.loader import load_trace  # noqa: E402
+from sessionserve.workload.metrics import sustained_rate_per_hour  # noqa: E402
 from sessionserve.workload.server_process import server_process  # noqa: E402
 from sessionserve.workload.trace import AgentSession  # noqa: E402
 
@@ -183,9 +185,9 @@ async def run_mode(url: str, sessions: list[AgentSession], mode: str, cutter: Te
     return {"mode": mode, "sessions": len(logs), "completed": len(done),
             "failed": [lg.failed for lg in logs if lg.failed][:3], "makespan_s": makespan,
             "sessions_per_hour": len(done) / makespan * 3600,
-            # agents / mean JCT: the rate while every agent has a session, without the drain at the end
-            "sessions_per_hour_sustained": (3600 * min(a.agents, len(logs)) / statistics.fmean(jct)
-                                            if jct and len(logs) > a.agents else None),
+            # the rate while every agent has a session, without the drain at the end
+            "sessions_per_hour_sustained": sustained_rate_per_hour(
+                [lg.start_s - t0 for lg in logs], [None if lg.failed else lg.end_s - t0 for lg in logs], a.agents),
             "jct_p50_s": pct(jct, 0.5), "jct_p99_s": pct(jct, 0.99),
             "step_p50_s": pct(lat, 0.5), "step_p99_s": pct(lat, 0.99), "steps": len(steps),
             "share_small": sum(st.model == a.small_name for st in steps) / max(1, len(steps)),

@@ -31,21 +31,35 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
-def sustained_sessions_per_hour(result: ReplayResult) -> float | None:
-    """Closed loop: agents / mean JCT, the rate the load sustains (the response-time law X = N / (R + Z)).
+def sustained_rate_per_hour(starts: Sequence[float], ends: Sequence[float | None], agents: int) -> float | None:
+    """Closed loop: sessions completed per hour while every agent is busy.
 
-    A finite replay ends with a drain: the last sessions run with fewer and
-    fewer agents still busy, and completed / makespan then counts that tail
-    (set by the few sessions with the longest waits) against the load. Each
-    agent runs its sessions back to back, so while all are busy sessions end
-    at N / E[JCT] per unit of time. None for open loop, with no completed
-    session, or when there are no more sessions than agents.
+    A finite closed-loop replay ends with a drain: once the last session has
+    started, agents go idle one by one, so completed / makespan counts the
+    tail (set by the slowest last sessions) against the load, and agents /
+    mean JCT counts the drain's sessions, which ran with fewer competitors,
+    for it. Until the last start every agent has a session: the window from
+    the first completion to the last start is at full load, and this is the
+    number of completions inside it over its length. `ends[i]` is None for a
+    failed session (its agent's time is in the window, the session is not
+    counted). None for no more sessions than agents or a window without a
+    completion after its first.
     """
-    done = [s.jct_s for s in result.sessions if s.jct_s is not None]
-    agents = min(result.load.concurrency, len(result.sessions))
-    if result.load.mode != "closed" or not done or len(result.sessions) <= agents:
+    if len(starts) <= agents:
         return None
-    return 3600 * agents / (sum(done) / len(done))
+    last_start = max(starts)
+    done = sorted(e for e in ends if e is not None and e <= last_start)
+    if len(done) < 2 or last_start <= done[0]:
+        return None
+    return 3600 * (len(done) - 1) / (last_start - done[0])
+
+
+def sustained_sessions_per_hour(result: ReplayResult) -> float | None:
+    """`sustained_rate_per_hour` of a closed-loop replay; None for open loop."""
+    if result.load.mode != "closed":
+        return None
+    return sustained_rate_per_hour([s.start_s for s in result.sessions], [s.end_s for s in result.sessions],
+                                   result.load.concurrency)
 
 
 def summarize(result: ReplayResult) -> dict[str, float | int | str | None]:

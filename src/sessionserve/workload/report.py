@@ -103,8 +103,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         "- Prefetch hit rate: resumed steps whose KV was already back on device / all resumes from off device.",
         "- Engine busy: wall time the engine spent in steps with work / run time.",
         "- Sessions/h: completed sessions / makespan (goodput uses this). Sustained sessions/h (closed loop): "
-        "agents / mean JCT, the rate while every agent has a session, without the drain at the end of a "
-        "finite replay.",
+        "sessions completed between the first completion and the last session's start / that time: the "
+        "rate while every agent has a session, without the drain at the end of a finite replay.",
         "- Headline figures are at the reference load, the heaviest of the sweep.",
     ]
     return "\n".join(lines) + "\n"

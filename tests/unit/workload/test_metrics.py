@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from sessionserve.workload.backend import StepResult
-from sessionserve.workload.metrics import LoadPoint, default_slo_s, goodput_at_slo, percentile, summarize
+from sessionserve.workload.metrics import (LoadPoint, default_slo_s, goodput_at_slo, percentile, summarize,
+                                           sustained_rate_per_hour)
 from sessionserve.workload.replay import LoadSpec, ReplayResult, SessionRecord, StepRecord
 from sessionserve.workload.report import render_markdown
 from sessionserve.workload.results import build_results
@@ -41,7 +42,6 @@ def run(jcts: list[float], recompute: int, load: int, hits: int = 0, misses: int
 def test_summarize_counts_rates_and_fractions() -> None:
     s = summarize(run([1.0, 2.0, 3.0, 4.0], recompute=40, load=2, hits=1, misses=1))
     assert s["num_completed"] == 4 and s["sessions_per_hour"] == pytest.approx(3600.0)
-    assert s["sessions_per_hour_sustained"] == pytest.approx(3600 * 2 / 2.5)  # 2 agents / mean JCT
     assert summarize(run([1.0, 2.0], recompute=0, load=2))["sessions_per_hour_sustained"] is None  # no queue
     assert s["jct_p50_s"] == pytest.approx(2.5) and s["recompute_tokens"] == pytest.approx(40)
     assert s["prefetch_hit_rate"] == pytest.approx(0.5)  # 4 hits / (4 hits + 4 misses)
@@ -49,6 +49,24 @@ def test_summarize_counts_rates_and_fractions() -> None:
     failed = run([1.0, 2.0], recompute=0, load=2)
     failed.sessions[1].end_s = None
     assert summarize(failed)["num_failed"] == 1
+
+
+def test_sustained_rate_counts_only_the_full_load_window() -> None:
+    # Two agents. A: [0, 2] [2, 5] [5, 6]; B: [0, 3] [3, 4] [4, 9]. The last start is at 5; after it B's last
+    # session runs alone (the drain). Inside (2, 5]: completions at 3, 4, 5 -> 3 per 3 s.
+    starts = [0.0, 0.0, 2.0, 3.0, 4.0, 5.0]
+    ends: list[float | None] = [2.0, 3.0, 5.0, 4.0, 9.0, 6.0]
+    assert sustained_rate_per_hour(starts, ends, agents=2) == pytest.approx(3600.0)
+    ends[3] = None  # a failed session takes its agent's time and is not counted
+    assert sustained_rate_per_hour(starts, ends, agents=2) == pytest.approx(3600 * 2 / 3)
+    assert sustained_rate_per_hour(starts[:2], ends[:2], agents=2) is None  # every session started at once
+    assert sustained_rate_per_hour([0.0, 0.0, 2.0], [2.0, 3.0, 4.0], agents=2) is None  # the window is one instant
+    closed = run([1.0, 2.0, 3.0, 4.0], recompute=0, load=2)
+    for rec, (a, b) in zip(closed.sessions, [(0, 1), (0, 2), (1, 4), (2, 3)]):
+        rec.arrival_s = rec.start_s = float(a)
+        rec.end_s = float(b)
+    assert summarize(closed)["sessions_per_hour_sustained"] == pytest.approx(3600.0)  # 1 and 2 inside (1, 2]
+    assert sustained_rate_per_hour([0.0] * 3, [1.0] * 3, agents=2) is None
 
 
 def test_results_ratios_to_baseline_and_report_states_scales() -> None:
