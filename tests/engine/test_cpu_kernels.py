@@ -43,7 +43,10 @@ def test_rms_norm_with_residual_add_matches_eager(dtype: torch.dtype, tol: float
 def test_silu_and_mul_matches_eager(dtype: torch.dtype, rows: int, n: int) -> None:
     g = torch.Generator().manual_seed(n)
     gate_up = (torch.randn(rows, 2 * n, generator=g) * 4).to(dtype)
-    gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-3, -200.0])  # signs, saturation, the exp clamp
+    special = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-3, -200.0])  # signs, saturation, the exp clamp
+    gate_up[0, :6] = special  # in the vector loop
+    gate_up[-1, n - 6:n] = special  # in the scalar tail where there is one (n = 200)
+    gate_up[-1, n - 8] = float("inf")
     gate, up = gate_up.chunk(2, dim=-1)
     expected = F.silu(gate).mul(up)
     got = torch.ops.sessionserve_kernels.silu_and_mul(gate_up)
@@ -54,6 +57,10 @@ def test_silu_and_mul_matches_eager(dtype: torch.dtype, rows: int, n: int) -> No
     torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
     if dtype == torch.bfloat16:
         assert (got != expected).float().mean() < 0.01  # nearly all exactly eager's
+    rows_apart = torch.zeros(rows, 3 * n, dtype=dtype)
+    rows_apart[:, :2 * n] = gate_up
+    got_apart = torch.ops.sessionserve_kernels.silu_and_mul(rows_apart[:, :2 * n])  # row stride 3n: the kernel
+    torch.testing.assert_close(got_apart, got, rtol=0, atol=0)
     wide = torch.zeros(rows, 4 * n, dtype=dtype)
     wide[:, ::2] = gate_up
     strided = wide[:, ::2]  # same values, columns two apart: the eager path
