@@ -270,16 +270,13 @@ def main(argv: list[str] | None = None) -> None:
         summary[mode] = {k: {"min": min(r[k] for r in rs), "median": statistics.median(r[k] for r in rs)}
                          for k in ("sessions_per_hour", "jct_p50_s", "jct_p99_s", "step_p50_s", "step_p99_s",
                                    "share_small", "escalation_rate_of_small_steps")}
-    ratios = [a_["sessions_per_hour"] / b["sessions_per_hour"] for a_, b in
-              zip([r for r in runs if r["mode"] == "auto"], [r for r in runs if r["mode"] == "large"], strict=True)]
-    summary["auto_over_large_sessions_per_hour"] = {"per_round": ratios, "min": min(ratios),
-                                                    "median": statistics.median(ratios)}
-    sustained = [a_["sessions_per_hour_sustained"] / b["sessions_per_hour_sustained"] for a_, b in
-                 zip([r for r in runs if r["mode"] == "auto"], [r for r in runs if r["mode"] == "large"], strict=True)
-                 if a_["sessions_per_hour_sustained"] and b["sessions_per_hour_sustained"]]
-    if sustained:
-        summary["auto_over_large_sessions_per_hour_sustained"] = {
-            "per_round": sustained, "min": min(sustained), "median": statistics.median(sustained)}
+    pairs = list(zip([r for r in runs if r["mode"] == "auto"], [r for r in runs if r["mode"] == "large"],
+                     strict=True))
+    for key in ("sessions_per_hour", "sessions_per_hour_sustained"):
+        ratios = [auto[key] / large[key] for auto, large in pairs if auto[key] and large[key]]
+        if ratios:
+            summary[f"auto_over_large_{key}"] = {"per_round": ratios, "min": min(ratios),
+                                                 "median": statistics.median(ratios)}
     result = {"command": shlex.join(["bench/model_routing.py", *(argv if argv is not None else sys.argv[1:])]),
               "server": shlex.join(cmd), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": _machine(),
               "trace": trace.name, "provenance": list(trace.provenance), "settings": vars(a) | {

@@ -48,10 +48,10 @@ def sustained_rate_per_hour(starts: Sequence[float], ends: Sequence[float | None
     if len(starts) <= agents:
         return None
     last_start = max(starts)
-    done = sorted(e for e in ends if e is not None and e <= last_start)
-    if len(done) < 2 or last_start <= done[0]:
+    done = [e for e in ends if e is not None and e <= last_start]
+    if len(done) < 2 or last_start <= (first := min(done)):
         return None
-    return 3600 * (len(done) - 1) / (last_start - done[0])
+    return 3600 * (len(done) - 1) / (last_start - first)
 
 
 def sustained_sessions_per_hour(result: ReplayResult) -> float | None:
