@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from sessionserve.cli_bench import _machine  # noqa: E402
 from sessionserve.workload.loader import load_trace  # noqa: E402
 from sessionserve.workload.metrics import sustained_rate_per_hour  # noqa: E402
+from sessionserve.workload.report import fmt  # noqa: E402
 from sessionserve.workload.server_process import server_process  # noqa: E402
 from sessionserve.workload.trace import AgentSession  # noqa: E402
 
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                 res["round"] = r
                 runs.append(res)
                 print(f"[{mode} #{r}] {res['sessions_per_hour']:.0f} sessions/h (sustained "
-                      f"{res['sessions_per_hour_sustained'] or 0:.0f}), JCT p50 {res['jct_p50_s']:.1f} s "
+                      f"{fmt(res['sessions_per_hour_sustained'], 0)}), JCT p50 {res['jct_p50_s']:.1f} s "
                       f"p99 {res['jct_p99_s']:.1f} s, small {res['share_small']:.0%}, escalations "
                       f"{res['escalations']}, failed {res['sessions'] - res['completed']}", file=sys.stderr,
                       flush=True)

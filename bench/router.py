@@ -104,7 +104,7 @@ LABELS = {"base": "ray_default_router", "ours": "session_kv_router"}
 
 def summarize_runs(trace, runs, meta, labels, out: Path) -> None:
     """Report, summary table and ratios of one comparison (the default router is the baseline)."""
-    from sessionserve.workload.report import write_report
+    from sessionserve.workload.report import fmt, write_report
     from sessionserve.workload.results import build_results
 
     out.mkdir(parents=True, exist_ok=True)
@@ -119,9 +119,9 @@ def summarize_runs(trace, runs, meta, labels, out: Path) -> None:
              "JCT p50 s | failed |",
              "|---|---|---|---|---|---|---|---|"]
     for label, s in ((labels["base"], b), (labels["ours"], o)):
-        lines.append(f"| {label} | {s['cached_fraction'] or 0:.3f} | {s['ttft_p50_s'] or 0:.3f} | "
-                     f"{s['ttft_p99_s'] or 0:.3f} | {s['sessions_per_hour'] or 0:.1f} | "
-                     f"{s['sessions_per_hour_sustained'] or 0:.1f} | {s['jct_p50_s'] or 0:.2f} | {s['num_failed']} |")
+        lines.append(f"| {label} | {fmt(s['cached_fraction'], 3)} | {fmt(s['ttft_p50_s'], 3)} | "
+                     f"{fmt(s['ttft_p99_s'], 3)} | {fmt(s['sessions_per_hour'], 1)} | "
+                     f"{fmt(s['sessions_per_hour_sustained'], 1)} | {fmt(s['jct_p50_s'])} | {s['num_failed']} |")
     lines.append(f"\nours vs default: cached fraction {ratio(o['cached_fraction'], b['cached_fraction'])}, "
                  f"TTFT p50 {ratio(b['ttft_p50_s'], o['ttft_p50_s'])} lower, TTFT p99 "
                  f"{ratio(b['ttft_p99_s'], o['ttft_p99_s'])} lower, sessions/h "

@@ -11,7 +11,7 @@ from sessionserve.workload.plots import write_plots
 from sessionserve.workload.replay import ReplayResult
 
 
-def _fmt(v: Any, digits: int = 2) -> str:
+def fmt(v: Any, digits: int = 2) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
     if isinstance(v, float):
@@ -51,7 +51,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         "",
         f"## Results at {results['reference_load']} (ratios to `{base}`)",
         "",
-        f"SLO: p99 session JCT <= {_fmt(results['slo_jct_p99_s'], 1)} s ({results['slo_rule']}). "
+        f"SLO: p99 session JCT <= {fmt(results['slo_jct_p99_s'], 1)} s ({results['slo_rule']}). "
         "Goodput = sessions per hour at the heaviest load of the sweep that meets it.",
         "",
         "| policy | sessions/h at SLO | vs base | sessions/h | JCT p50 s | JCT p99 s | vs base | TTFT p50 s | "
@@ -61,11 +61,11 @@ def render_markdown(results: dict[str, Any]) -> str:
     for name, s in results["policies"].items():
         vs = s["vs_baseline"]
         lines.append(
-            f"| {name} | {_fmt(s['sessions_per_hour_at_slo'], 1)} | {_x(vs['sessions_per_hour_at_slo'])} | "
-            f"{_fmt(s['sessions_per_hour'], 1)} | {_fmt(s['jct_p50_s'])} | {_fmt(s['jct_p99_s'])} | "
-            f"{_x(vs['jct_p99_s'])} | {_fmt(s['ttft_p50_s'], 3)} | {_fmt(s['ttft_p99_s'], 3)} | "
-            f"{_x(vs['ttft_p99_s'])} | {_fmt(s['recompute_tokens'])} | {_x(vs['recompute_tokens'])} | "
-            f"{_pct(s['prefetch_hit_rate'])} | {_fmt(s['num_failed'])} |")
+            f"| {name} | {fmt(s['sessions_per_hour_at_slo'], 1)} | {_x(vs['sessions_per_hour_at_slo'])} | "
+            f"{fmt(s['sessions_per_hour'], 1)} | {fmt(s['jct_p50_s'])} | {fmt(s['jct_p99_s'])} | "
+            f"{_x(vs['jct_p99_s'])} | {fmt(s['ttft_p50_s'], 3)} | {fmt(s['ttft_p99_s'], 3)} | "
+            f"{_x(vs['ttft_p99_s'])} | {fmt(s['recompute_tokens'])} | {_x(vs['recompute_tokens'])} | "
+            f"{_pct(s['prefetch_hit_rate'])} | {fmt(s['num_failed'])} |")
     lines += ["", "## Load sweep", "",
               "| policy | load | completed | sessions/h | sustained sessions/h | JCT p50 s | JCT p99 s | TTFT p99 s | "
               "TPOT p50 s | recompute tokens | cached prompt | prefetch hit rate | engine busy | "
@@ -77,10 +77,10 @@ def render_markdown(results: dict[str, Any]) -> str:
             host = None if p["peak_host_kv_bytes"] is None else p["peak_host_kv_bytes"] / (1 << 20)
             lines.append(
                 f"| {name} | {p['load']} | {p['num_completed']}/{p['num_sessions']} | "
-                f"{_fmt(p['sessions_per_hour'], 1)} | {_fmt(p.get('sessions_per_hour_sustained'), 1)} | "
-                f"{_fmt(p['jct_p50_s'])} | {_fmt(p['jct_p99_s'])} | {_fmt(p['ttft_p99_s'], 3)} | {_fmt(p['tpot_p50_s'], 3)} | {_fmt(p['recompute_tokens'])} | "
+                f"{fmt(p['sessions_per_hour'], 1)} | {fmt(p.get('sessions_per_hour_sustained'), 1)} | "
+                f"{fmt(p['jct_p50_s'])} | {fmt(p['jct_p99_s'])} | {fmt(p['ttft_p99_s'], 3)} | {fmt(p['tpot_p50_s'], 3)} | {fmt(p['recompute_tokens'])} | "
                 f"{_pct(p['cached_fraction'])} | {_pct(p['prefetch_hit_rate'])} | {_pct(p['cpu_busy_fraction'])} | "
-                f"{_fmt(dev, 1)} | {_fmt(host, 1)} |")
+                f"{fmt(dev, 1)} | {fmt(host, 1)} |")
     errors = [(n, p["load"], p["first_error"]) for n, s in results["policies"].items() for p in s["loads"]
               if p["first_error"]]
     if errors:
