@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
                 res = asyncio.run(run_mode(url, sessions, mode, cutter, a, f"{mode}{r}"))
                 res["round"] = r
                 runs.append(res)
-                print(f"[{mode} #{r}] {res['sessions_per_hour']:.0f} sessions/h (sustained "
+                print(f"[{mode} #{r}] {fmt(res['sessions_per_hour'], 0)} sessions/h (sustained "
                       f"{fmt(res['sessions_per_hour_sustained'], 0)}), JCT p50 {res['jct_p50_s']:.1f} s "
                       f"p99 {res['jct_p99_s']:.1f} s, small {res['share_small']:.0%}, escalations "
                       f"{res['escalations']}, failed {res['sessions'] - res['completed']}", file=sys.stderr,
