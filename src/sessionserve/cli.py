@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     cli_bench.add_bench_arguments(bench)
     bench.set_defaults(func=cli_bench.run_bench)
 
+    merge = sub.add_parser("merge-reports", help="one load sweep from several bench runs' report folders")
+    cli_bench.add_merge_arguments(merge)
+    merge.set_defaults(func=cli_bench.run_merge)
+
     demo = sub.add_parser("demo", help="a short agent-trace replay on the embedded default model, with a report")
     cli_bench.add_demo_arguments(demo)
     demo.set_defaults(func=cli_bench.run_demo)

@@ -3,6 +3,7 @@
     sessionserve bench --trace weka_claude_code --policies discard,keep,ttl,least-waste,predictive --out DIR
     sessionserve bench --trace mooncake_conversation --backend http --url http://127.0.0.1:8000
     sessionserve demo
+    sessionserve merge-reports DIR1 DIR2 ... --out DIR   # one sweep from runs of its parts
 
 The trace folder is ../shared/traces beside the repository, or --traces-dir,
 or $SESSIONSERVE_TRACES_DIR (read here only).
@@ -173,6 +174,40 @@ def _print_summary(results: dict[str, Any]) -> None:
         print(f"  {name:12s} {s['sessions_per_hour_at_slo'] or 0:8.1f} sessions/h at SLO   JCT p50 "
               f"{s['jct_p50_s'] or 0:6.2f} s p99 {s['jct_p99_s'] or 0:6.2f} s   TTFT p99 {s['ttft_p99_s'] or 0:.3f} s"
               f"   recompute {s['recompute_tokens'] or 0:,.0f} tok   failed {s['num_failed']}")
+
+
+def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("reports", nargs="+", help="report folders (or their results.json) of `sessionserve bench` "
+                        "runs of one trace, model, machine and settings; their loads may differ")
+    parser.add_argument("--out", required=True, help="folder for the merged results.json, report.md, goodput.png")
+    parser.add_argument("--slo-jct-s", type=float, default=None, help="p99 JCT SLO (default: the runs' own, "
+                        "which must then agree)")
+    parser.add_argument("--baseline", default="discard", help="series the ratios are to (default: discard, or "
+                        "the first series)")
+
+
+def run_merge(args: argparse.Namespace) -> Path:
+    """Pool the load sweeps of several report folders into one report (goodput at the SLO over all loads)."""
+    from sessionserve.workload.merge import MergeError, merge_results
+    from sessionserve.workload.report import write_report
+
+    runs = []
+    for folder in args.reports:
+        path = Path(folder)
+        path = path / "results.json" if path.is_dir() else path
+        try:
+            runs.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"cannot read {path}: {exc}") from None
+    try:
+        results = merge_results(runs, command=shlex.join(["sessionserve", *sys.argv[1:]]), slo_jct_s=args.slo_jct_s,
+                                baseline=args.baseline)
+    except MergeError as exc:
+        raise SystemExit(f"cannot merge: {exc}") from None
+    report = write_report(args.out, results, None)
+    _print_summary(results)
+    print(f"report: {report}")
+    return report
 
 
 DEMO_DEFAULTS = dict(num_sessions=6, max_steps=4, max_context=1000, loads="2,4", policies="discard,predictive",

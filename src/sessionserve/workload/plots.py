@@ -26,28 +26,17 @@ def _plt() -> Any:
     return plt
 
 
-def write_plots(out_dir: Path, runs: dict[str, list[ReplayResult]], results: dict[str, Any], subtitle: str
-                ) -> list[Path]:
-    """Write the four PNGs into `out_dir`; returns their paths."""
+def _save(plt: Any, fig: Any, path: Path, subtitle: str) -> Path:
+    fig.suptitle(subtitle, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_goodput_plot(out_dir: Path, results: dict[str, Any], subtitle: str) -> Path:
+    """goodput.png from results.json's content alone (a merged sweep has no raw runs for the other plots)."""
     plt = _plt()
-    paths: list[Path] = []
-
-    def save(fig: Any, name: str) -> None:
-        fig.suptitle(subtitle, fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=110)
-        plt.close(fig)
-        paths.append(out_dir / name)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, rs in runs.items():
-        xs, ys = cdf(s.jct_s for s in rs[-1].sessions if s.jct_s is not None)
-        ax.step(xs, ys, where="post", label=name)
-    ax.set(xlabel="session JCT (s, replay time)", ylabel="fraction of sessions",
-           title=f"JCT CDF at {results['reference_load']}")
-    ax.legend()
-    save(fig, "jct_cdf.png")
-
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     slo = results.get("slo_jct_p99_s")
     for name, series in results["policies"].items():
@@ -66,7 +55,28 @@ def write_plots(out_dir: Path, runs: dict[str, list[ReplayResult]], results: dic
     ax2.set(xlabel=load_axis, ylabel="p99 JCT (s)", title="p99 JCT vs load")
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
-    save(fig, "goodput.png")
+    return _save(plt, fig, out_dir / "goodput.png", subtitle)
+
+
+def write_plots(out_dir: Path, runs: dict[str, list[ReplayResult]], results: dict[str, Any], subtitle: str
+                ) -> list[Path]:
+    """Write the four PNGs into `out_dir`; returns their paths."""
+    plt = _plt()
+    paths: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        paths.append(_save(plt, fig, out_dir / name, subtitle))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rs in runs.items():
+        xs, ys = cdf(s.jct_s for s in rs[-1].sessions if s.jct_s is not None)
+        ax.step(xs, ys, where="post", label=name)
+    ax.set(xlabel="session JCT (s, replay time)", ylabel="fraction of sessions",
+           title=f"JCT CDF at {results['reference_load']}")
+    ax.legend()
+    save(fig, "jct_cdf.png")
+
+    paths.append(write_goodput_plot(out_dir, results, subtitle))
 
     tiers = (("device_bytes", "device"), ("host_bytes", "host"), ("disk_bytes", "disk"))
     fig, axes = plt.subplots(1, len(tiers), figsize=(12, 3.6), sharex=True)

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from sessionserve.workload.plots import write_plots
+from sessionserve.workload.plots import write_goodput_plot, write_plots
 from sessionserve.workload.replay import ReplayResult
 
 
@@ -29,54 +29,71 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{100 * v:.0f}%"
 
 
+def _merged_runs(results: dict[str, Any]) -> list[str]:
+    """For a merged sweep: the runs it pools, each with its command and date."""
+    merged = results.get("merged_from")
+    if not merged:
+        return []
+    return ["Merged from:", "", *[f"- run {m['run']} ({m['date']}, {m['backend']}): `{m['command']}`" for m in merged],
+            ""]
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """report.md from results.json's content (pure)."""
     tr = results["trace"]
     base = results["baseline"]
+    merged = results.get("merged_from")
+    workload = (f"{tr['num_sessions']} sessions, {tr['num_steps']} LLM steps" if not merged else
+                "; ".join(f"run {m['run']}: {m['num_sessions']} sessions, {m['num_steps']} LLM steps"
+                          for m in merged))
     lines = [
         f"# Agent workload: {tr['name']}",
         "",
         f"Command: `{results.get('command', '')}`",
         "",
+        *_merged_runs(results),
         f"- Date: {results.get('date', '')}; backend: {results.get('backend', '')}; model: {results.get('model', '')}",
         f"- Machine: {results.get('machine', '')}",
         f"- Settings: {', '.join(f'{k}={v}' for k, v in results.get('settings', {}).items())}",
         f"- **Scale factors: token counts / {tr['token_scale']:g}, times / {tr['time_scale']:g}** (ratios kept; "
         "all times below are replay seconds, sessions per hour are per replay hour)",
-        f"- Workload: {tr['num_sessions']} sessions, {tr['num_steps']} LLM steps",
+        f"- Workload: {workload}",
         "",
         "## Where the workload comes from",
         "",
         *[f"- {p}" for p in tr["provenance"]],
         "",
-        f"## Results at {results['reference_load']} (ratios to `{base}`)",
+        f"## Results at {results['reference_load']} (ratios to `{base}`; each policy's figures at its "
+        "heaviest load)" if merged else f"## Results at {results['reference_load']} (ratios to `{base}`)",
         "",
         f"SLO: p99 session JCT <= {fmt(results['slo_jct_p99_s'], 1)} s ({results['slo_rule']}). "
-        "Goodput = sessions per hour at the heaviest load of the sweep that meets it.",
+        "Goodput = the best sessions per hour over the loads of the sweep that meet it.",
         "",
-        "| policy | sessions/h at SLO | vs base | sessions/h | JCT p50 s | JCT p99 s | vs base | TTFT p50 s | "
-        "TTFT p99 s | vs base | recompute tokens | vs base | prefetch hit rate | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| policy | load | sessions/h at SLO | vs base | sessions/h | JCT p50 s | JCT p99 s | vs base | "
+        "TTFT p50 s | TTFT p99 s | vs base | recompute tokens | vs base | prefetch hit rate | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in results["policies"].items():
         vs = s["vs_baseline"]
         lines.append(
-            f"| {name} | {fmt(s['sessions_per_hour_at_slo'], 1)} | {_x(vs['sessions_per_hour_at_slo'])} | "
+            f"| {name} | {s.get('reference_load', results['reference_load'])} | "
+            f"{fmt(s['sessions_per_hour_at_slo'], 1)} | {_x(vs['sessions_per_hour_at_slo'])} | "
             f"{fmt(s['sessions_per_hour'], 1)} | {fmt(s['jct_p50_s'])} | {fmt(s['jct_p99_s'])} | "
             f"{_x(vs['jct_p99_s'])} | {fmt(s['ttft_p50_s'], 3)} | {fmt(s['ttft_p99_s'], 3)} | "
             f"{_x(vs['ttft_p99_s'])} | {fmt(s['recompute_tokens'])} | {_x(vs['recompute_tokens'])} | "
             f"{_pct(s['prefetch_hit_rate'])} | {fmt(s['num_failed'])} |")
     lines += ["", "## Load sweep", "",
-              "| policy | load | completed | sessions/h | sustained sessions/h | JCT p50 s | JCT p99 s | TTFT p99 s | "
-              "TPOT p50 s | recompute tokens | cached prompt | prefetch hit rate | engine busy | "
-              "peak device KV MiB | peak host KV MiB |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              f"| policy | load |{' run |' if merged else ''} completed | sessions/h | sustained sessions/h | "
+              "JCT p50 s | JCT p99 s | TTFT p99 s | TPOT p50 s | recompute tokens | cached prompt | "
+              "prefetch hit rate | engine busy | peak device KV MiB | peak host KV MiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if merged else "")]
     for name, s in results["policies"].items():
         for p in s["loads"]:
             dev = None if p["peak_device_kv_bytes"] is None else p["peak_device_kv_bytes"] / (1 << 20)
             host = None if p["peak_host_kv_bytes"] is None else p["peak_host_kv_bytes"] / (1 << 20)
+            run = f" {p.get('run')} |" if merged else ""
             lines.append(
-                f"| {name} | {p['load']} | {p['num_completed']}/{p['num_sessions']} | "
+                f"| {name} | {p['load']} |{run} {p['num_completed']}/{p['num_sessions']} | "
                 f"{fmt(p['sessions_per_hour'], 1)} | {fmt(p.get('sessions_per_hour_sustained'), 1)} | "
                 f"{fmt(p['jct_p50_s'])} | {fmt(p['jct_p99_s'])} | {fmt(p['ttft_p99_s'], 3)} | {fmt(p['tpot_p50_s'], 3)} | {fmt(p['recompute_tokens'])} | "
                 f"{_pct(p['cached_fraction'])} | {_pct(p['prefetch_hit_rate'])} | {_pct(p['cpu_busy_fraction'])} | "
@@ -93,8 +110,9 @@ def render_markdown(results: dict[str, Any]) -> str:
                       "tokens (visible as a lower cached-prompt share)."]
     lines += [
         "", "## Plots", "",
-        "![JCT CDF](jct_cdf.png)", "![goodput vs load](goodput.png)", "![KV bytes by tier](kv_tiers.png)",
-        "![TTFT](ttft.png)", "",
+        *(["![goodput vs load](goodput.png)"] if merged else [
+            "![JCT CDF](jct_cdf.png)", "![goodput vs load](goodput.png)", "![KV bytes by tier](kv_tiers.png)",
+            "![TTFT](ttft.png)"]), "",
         "## Definitions", "",
         "- JCT: a session's arrival (open loop) or start (closed loop) to its last step's last token, "
         "tool waits included.",
@@ -110,14 +128,19 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(out_dir: str | Path, results: dict[str, Any], runs: dict[str, list[ReplayResult]]) -> Path:
-    """Write results.json, report.md and the plots into `out_dir`; returns report.md's path."""
+def write_report(out_dir: str | Path, results: dict[str, Any], runs: dict[str, list[ReplayResult]] | None
+                 ) -> Path:
+    """Write results.json, report.md and the plots into `out_dir`; returns report.md's path. Without `runs`
+    (a merged sweep: summaries only) the one plot drawn from the summaries, goodput vs load."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     report = out / "report.md"
     report.write_text(render_markdown(results))
     tr = results["trace"]
-    write_plots(out, runs, results, f"{tr['name']}, tokens/{tr['token_scale']:g}, time/{tr['time_scale']:g}, "
-                                    f"{results.get('model', '')}")
+    subtitle = f"{tr['name']}, tokens/{tr['token_scale']:g}, time/{tr['time_scale']:g}, {results.get('model', '')}"
+    if runs is None:
+        write_goodput_plot(out, results, subtitle)
+    else:
+        write_plots(out, runs, results, subtitle)
     return report

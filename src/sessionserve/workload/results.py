@@ -2,7 +2,7 @@
 
 Headline figures (JCT, TTFT, recompute, prefetch) are taken at the reference
 load: the heaviest load of the sweep, where memory pressure is highest.
-Goodput is sessions per hour at the heaviest load meeting the p99 JCT SLO.
+Goodput is the best sessions per hour over the loads that meet the p99 JCT SLO.
 Ratios are to the `baseline` series (`discard` when present).
 """
 
@@ -23,6 +23,29 @@ def load_points(summaries: list[dict[str, Any]]) -> list[LoadPoint]:
     return [LoadPoint(s["load_level"], s["sessions_per_hour"], s["jct_p99_s"], s["num_failed"]) for s in summaries]
 
 
+def build_series(summaries: dict[str, list[dict[str, Any]]], slo_jct_s: float | None, baseline: str
+                 ) -> dict[str, Any]:
+    """results.json's "policies": per series its goodput at the SLO over its loads, the headline figures at
+    its heaviest load (the last of `summaries[name]`), every load's summary, and ratios to `baseline`."""
+    series: dict[str, Any] = {}
+    for name, sums in summaries.items():
+        ref = sums[-1]
+        series[name] = {
+            "sessions_per_hour_at_slo": goodput_at_slo(load_points(sums), slo_jct_s) if slo_jct_s else None,
+            "reference_load": ref["load"],
+            "sessions_per_hour": ref["sessions_per_hour"],
+            "sessions_per_hour_sustained": ref.get("sessions_per_hour_sustained"),
+            **{k: ref[k] for k in HEADLINE_KEYS},
+            "loads": sums,
+        }
+    b = series[baseline]
+    for s in series.values():
+        s["vs_baseline"] = {k: ratio(s[k], b[k]) for k in ("sessions_per_hour_at_slo", "sessions_per_hour",
+                                                           "sessions_per_hour_sustained",
+                                                           "jct_p50_s", "jct_p99_s", "ttft_p99_s", "recompute_tokens")}
+    return series
+
+
 def build_results(trace: TraceSet, runs: dict[str, list[ReplayResult]], *, meta: dict[str, Any],
                   slo_jct_s: float | None = None, slo_factor: float = 2.0, baseline: str = "discard"
                   ) -> dict[str, Any]:
@@ -35,21 +58,7 @@ def build_results(trace: TraceSet, runs: dict[str, list[ReplayResult]], *, meta:
                     f"({summaries[base][0]['load']})")
     else:
         slo_rule = "given on the command line"
-    series: dict[str, Any] = {}
-    for name, sums in summaries.items():
-        ref = sums[-1]
-        series[name] = {
-            "sessions_per_hour_at_slo": goodput_at_slo(load_points(sums), slo_jct_s) if slo_jct_s else None,
-            "sessions_per_hour": ref["sessions_per_hour"],
-            "sessions_per_hour_sustained": ref.get("sessions_per_hour_sustained"),
-            **{k: ref[k] for k in HEADLINE_KEYS},
-            "loads": sums,
-        }
-    b = series[base]
-    for s in series.values():
-        s["vs_baseline"] = {k: ratio(s[k], b[k]) for k in ("sessions_per_hour_at_slo", "sessions_per_hour",
-                                                           "sessions_per_hour_sustained",
-                                                           "jct_p50_s", "jct_p99_s", "ttft_p99_s", "recompute_tokens")}
+    series = build_series(summaries, slo_jct_s, base)
     return {
         "version": RESULTS_VERSION,
         **meta,
