@@ -116,11 +116,20 @@ class LoadPoint(NamedTuple):
 def goodput_at_slo(points: Sequence[LoadPoint], slo_jct_s: float) -> float:
     """Sessions per hour at the highest-throughput load that meets the SLO (p99 JCT <= slo, no failures); 0 if none.
 
+    A load measured more than once (runs merged into one sweep) counts once: with the median of its runs'
+    sessions per hour, and as meeting the SLO only if every run met it, so repeats do not pick the luckiest.
+
     NOTE: a load that misses the SLO counts for nothing, even if it completes more sessions: goodput is what a
     provider can sell at that latency promise.
     """
-    ok = [p.sessions_per_hour for p in points if p.jct_p99_s is not None and p.sessions_per_hour is not None
-          and p.jct_p99_s <= slo_jct_s and p.num_failed == 0]
+    by_load: dict[float, list[LoadPoint]] = {}
+    for p in points:
+        by_load.setdefault(p.load_level, []).append(p)
+    ok = []
+    for runs in by_load.values():
+        if all(p.jct_p99_s is not None and p.sessions_per_hour is not None and p.jct_p99_s <= slo_jct_s
+               and p.num_failed == 0 for p in runs):
+            ok.append(percentile([p.sessions_per_hour for p in runs], 0.5))  # type: ignore[misc]
     return max(ok, default=0.0)
 
 

@@ -29,6 +29,13 @@ def test_goodput_is_best_throughput_meeting_the_slo() -> None:
     assert default_slo_s(points, 2.0) == 20.0  # 2 x p99 JCT at the lightest load
 
 
+def test_goodput_takes_a_repeated_load_at_its_median_and_only_if_every_run_meets_the_slo() -> None:
+    points = [LoadPoint(2, 100.0, 10.0), LoadPoint(4, 180.0, 15.0), LoadPoint(4, 240.0, 12.0),
+              LoadPoint(8, 400.0, 12.0), LoadPoint(8, 420.0, 25.0)]
+    assert goodput_at_slo(points, 20.0) == pytest.approx(210.0)  # load 4: median of 180 and 240; load 8 missed once
+    assert goodput_at_slo(points, 30.0) == pytest.approx(410.0)
+
+
 def run(jcts: list[float], recompute: int, load: int, hits: int = 0, misses: int = 0) -> ReplayResult:
     sessions = [SessionRecord(f"s{i}", 0.0, 0.0, j, 2, 0.5,
                               stats={"num_recompute_tokens": recompute / len(jcts), "num_prefetch_hits": hits,
