@@ -67,7 +67,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         "heaviest load)" if merged else f"## Results at {results['reference_load']} (ratios to `{base}`)",
         "",
         f"SLO: p99 session JCT <= {fmt(results['slo_jct_p99_s'], 1)} s ({results['slo_rule']}). "
-        "Goodput = the best sessions per hour over the loads of the sweep that meet it.",
+        "Goodput = the best sessions per hour over the loads of the sweep that meet it (a load run more than "
+        "once: the median of its runs, if every run met it).",
         "",
         "| policy | load | sessions/h at SLO | vs base | sessions/h | JCT p50 s | JCT p99 s | vs base | "
         "TTFT p50 s | TTFT p99 s | vs base | recompute tokens | vs base | prefetch hit rate | failed |",
