@@ -5,10 +5,10 @@ run in parts (the light loads with fewer sessions, a heavy load on its own, a
 repeat). Merging pools every run's load points per series, recomputes each
 series' goodput at the SLO over all of them (a load in several runs counts
 with the median of its runs, see `metrics.goodput_at_slo`) and the ratios to
-the baseline, and keeps each run's command and date. Runs must replay the same trace at the
-same scale factors, model, machine and settings (the loads and the number of
-sessions may differ) and share one SLO: anything else would compare different
-experiments, and is refused with the field that differs.
+the baseline, and keeps each run's command and date. Runs must replay the
+same trace at the same scale factors, model, machine and settings (the loads
+and the number of sessions may differ) and share one SLO: anything else would
+compare different experiments, and is refused with the field that differs.
 
 Pure: dicts in, dict out (the CLI reads and writes the files).
 """
