@@ -163,7 +163,7 @@ def _kill_replica(app_name: str, replica_id: str) -> None:
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{app_name}#Engine#{replica_id}", namespace="serve"), no_restart=True)
 
 
-LONG_TURN = {"max_tokens": 300, "ignore_eos": True}
+LONG_TURN = {"max_tokens": 900, "ignore_eos": True}  # long enough that the kill lands mid-turn
 
 
 def test_killed_replica_loses_no_session_and_output_is_unchanged(cluster: Cluster, tiny_llama: Path,
