@@ -166,10 +166,16 @@ def context_mask(ctx_len: int, pos: torch.Tensor) -> torch.Tensor:
     return torch.arange(ctx_len, device=pos.device).unsqueeze(0) <= pos.unsqueeze(1)
 
 
+def mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`mask` (bool, True = visible) as the additive bias SDPA and the GEMM path take: 0 or -inf."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                       mask: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence's query rows (n, H, D) over its first `mask.shape[1]` cached tokens, which live in
-    `blocks` (int64): the context gathered into (Hkv, ctx, D), then SDPA under `mask` (`context_mask`)."""
+    `blocks` (int64): the context gathered into (Hkv, ctx, D), then SDPA under `mask` (`context_mask`, or
+    its `mask_bias` in q's dtype, which a step builds once for all its layers)."""
     ctx_len = mask.shape[1]
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     ks = k_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :ctx_len]
@@ -195,7 +201,7 @@ def _context_attention_gemm(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
     num_kv_heads, ctx_len = ks.shape[0], ks.shape[1]
     group = num_heads // num_kv_heads
     qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # (Hkv, g, n, D)
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    bias = mask if mask.is_floating_point() else mask_bias(mask, q.dtype)
     kt = ks.transpose(1, 2)  # (Hkv, D, ctx)
     out = torch.empty(num_kv_heads, group, n, head_dim, dtype=q.dtype, device=q.device)
     rows = max(1, _SCORE_ELEMS // (num_heads * ctx_len))

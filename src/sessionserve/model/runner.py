@@ -19,6 +19,7 @@ from sessionserve.model.attention import (
     AttentionMetadata,
     TileBatchBuilder,
     context_mask,
+    mask_bias,
     pad_tables,
 )
 from sessionserve.model.decoder import DecoderModel
@@ -232,7 +233,8 @@ class ModelRunner:
                 tile_ctx.add(row0, n, start, table[: -(-end // bs)])
             elif n >= GATHER_MIN_ROWS and self.use_kernel:
                 blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)
-                ctx_gather.append((row0, n, blocks, context_mask(end, torch.arange(start, end, device=self.device))))
+                mask = context_mask(end, torch.arange(start, end, device=self.device))
+                ctx_gather.append((row0, n, blocks, mask_bias(mask, self.dtype)))  # once for every layer
             else:
                 paged_spans.append((len(paged_rows), n))
                 paged_rows.extend(range(row0, row0 + n))
