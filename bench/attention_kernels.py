@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from sessionserve.model import paged_kernel, tile_attention
-from sessionserve.model.attention import context_attention, context_mask
+from sessionserve.model.attention import context_attention
 
 
 def timed_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -108,8 +108,8 @@ def context_chunk_fp32(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g
     q = torch.randn(rows, H, D, generator=g)
     seq, pos = torch.zeros(rows, dtype=torch.int32), torch.arange(ctx, total, dtype=torch.int32)
     paged = timed_ms(lambda: paged_kernel.paged_attention(q, k_cache, v_cache, table, seq, pos, scale), repeats)
-    blocks, mask = table[0].long(), context_mask(total, pos.long())  # built once per step, as the engine does
-    gather = timed_ms(lambda: context_attention(q, k_cache, v_cache, blocks, mask, scale), repeats)
+    blocks = table[0].long()
+    gather = timed_ms(lambda: context_attention(q, k_cache, v_cache, blocks, total, scale), repeats)
     return paged, gather
 
 

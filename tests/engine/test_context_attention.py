@@ -1,4 +1,5 @@
-"""The gather path for context chunks: float32 GEMM attention on CPU against SDPA with the same mask."""
+"""Causal attention over a context: float32 GEMMs on CPU (row blocks over the keys each block sees)
+against SDPA with the same mask; fresh prefills are the case rows == context."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from sessionserve.model import attention
 
 
 @pytest.mark.parametrize("heads,kv_heads,rows,ctx", [(12, 4, 40, 300), (8, 8, 33, 100), (12, 4, 64, 64),
-                                                     (14, 2, 200, 1000)])
+                                                     (14, 2, 200, 1000), (12, 4, 300, 300), (8, 8, 1, 50)])
 @pytest.mark.parametrize("row_block", [None, 7])
 def test_gemm_context_attention_matches_sdpa(monkeypatch, heads: int, kv_heads: int, rows: int, ctx: int,
                                              row_block: int | None) -> None:
@@ -24,7 +25,7 @@ def test_gemm_context_attention_matches_sdpa(monkeypatch, heads: int, kv_heads: 
     blocks = torch.randperm(num_blocks + 3, generator=g)[:num_blocks]
     q = torch.randn(rows, heads, head_dim, generator=g)
     mask = attention.context_mask(ctx, torch.arange(ctx - rows, ctx))
-    got = attention.context_attention(q, k_cache, v_cache, blocks, mask, 0.125)
+    got = attention.context_attention(q, k_cache, v_cache, blocks, ctx, 0.125)
     ks = k_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :ctx]
     vs = v_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :ctx]
     want = F.scaled_dot_product_attention(q.transpose(0, 1), ks, vs, attn_mask=mask, scale=0.125,

@@ -39,15 +39,30 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 def run_chunks(runner, kv: KVCacheManager, chunks: list[tuple], use_kernel: bool) -> torch.Tensor:
     """Run (seq, start, n) chunks in one step; return logits for every computed row."""
+    input_ids, positions, meta, _ = prepare(runner, kv, chunks, use_kernel)
+    meta.sampled = None  # every row's logits: the last layer runs on all of them
+    rows = torch.arange(input_ids.shape[0])
+    with torch.inference_mode():
+        return runner.model(input_ids, positions, runner.kv_caches, meta, rows)
+
+
+def run_sampled(runner, kv: KVCacheManager, chunks: list[tuple], use_kernel: bool) -> torch.Tensor:
+    """Run (seq, start, n) chunks in one step as the engine does: logits of each finished chunk's last row."""
+    input_ids, positions, meta, rows = prepare(runner, kv, chunks, use_kernel)
+    with torch.inference_mode():
+        return runner.model(input_ids, positions, runner.kv_caches, meta, rows)
+
+
+def prepare(runner, kv: KVCacheManager, chunks: list[tuple], use_kernel: bool):
     for seq, start, n in chunks:
         assert kv.allocate(seq.request_id, start + n) is not None
     plan = SchedulerOutput(tuple(ScheduledChunk(s, st, n, st + n == s.num_tokens) for s, st, n in chunks),
                            sum(n for _, _, n in chunks), (), kv.block_tables)
-    input_ids, positions, meta, _, _ = runner.prepare_batch(plan)
-    meta.use_kernel = use_kernel and runner.use_kernel
-    rows = torch.arange(input_ids.shape[0])
-    with torch.inference_mode():
-        return runner.model(input_ids, positions, runner.kv_caches, meta, rows)
+    input_ids, positions, meta, rows, _ = runner.prepare_batch(plan)
+    for m in (meta, meta.sampled):
+        if m is not None:
+            m.use_kernel = use_kernel and runner.use_kernel
+    return input_ids, positions, meta, rows
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -123,3 +138,24 @@ def test_long_context_chunk_matches_hf(pair) -> None:
     out = run_chunks(runner, kv, chunks, use_kernel=True)
     assert (out[0] - hf_logits(hf, other.token_ids)[-1]).abs().max().item() <= ATOL
     assert (out[1:] - hf_logits(hf, full)[50:]).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_sampled_rows_match_hf(pair, use_kernel: bool) -> None:
+    """The engine's own steps: the last layer runs past its K/V only on the rows it samples."""
+    hf, runner = pair
+    kv = KVCacheManager(runner.num_blocks, BLOCK)
+    a_tokens, b_tokens, c_tokens = tokens(30, 11), tokens(40, 12), tokens(25, 13)
+    a, b = create_seq(0, tokens=a_tokens[:20]), create_seq(0, tokens=b_tokens)
+    assert run_sampled(runner, kv, [(b, 0, 17)], use_kernel).shape[0] == 0  # a chunk that samples nothing
+    first = run_sampled(runner, kv, [(a, 0, 20)], use_kernel)
+    a.token_ids.extend(a_tokens[20:21])
+    c = create_seq(0, tokens=c_tokens)
+    # One step: a's decode, b's last chunk over its first (whose last layer K/V came from a step that
+    # sampled nothing), c's fresh prefill.
+    out = run_sampled(runner, kv, [(a, 20, 1), (b, 17, 23), (c, 0, 25)], use_kernel)
+    assert out.shape[0] == 3
+    assert (first[0] - hf_logits(hf, a_tokens[:20])[-1]).abs().max().item() <= ATOL
+    assert (out[0] - hf_logits(hf, a_tokens[:21])[-1]).abs().max().item() <= ATOL
+    assert (out[1] - hf_logits(hf, b_tokens)[-1]).abs().max().item() <= ATOL
+    assert (out[2] - hf_logits(hf, c_tokens)[-1]).abs().max().item() <= ATOL

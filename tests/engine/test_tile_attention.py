@@ -103,6 +103,7 @@ def _step_logits(runner, kv: KVCacheManager, chunks: list[tuple], tiles: bool) -
     runner.use_tiles = tiles
     input_ids, positions, meta, _, _ = runner.prepare_batch(plan)
     assert (meta.tile_fresh is not None or meta.tile_ctx is not None) == tiles
+    meta.sampled = None  # every row's logits: the last layer runs on all of them
     with torch.inference_mode():
         return runner.model(input_ids, positions, runner.kv_caches, meta, torch.arange(input_ids.shape[0])).float()
 

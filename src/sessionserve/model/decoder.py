@@ -37,8 +37,10 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # x: (T, hidden), updated in place (the residual stream)
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (T, hidden), updated in place (the residual stream). With `keep_rows`, every row's K/V
+        is stored but only those rows go on past it (attention from `meta.sampled`): returns (len, hidden)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))  # (T, q + 2kv)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -49,6 +51,12 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         write_kv(k_cache, v_cache, k, v, meta)
+        if keep_rows is not None:
+            assert meta.sampled is not None and len(keep_rows) == sum(n for _, n in meta.sampled.paged_q_spans)
+            x, q, k, v, meta = x[keep_rows], q[keep_rows], k[keep_rows], v[keep_rows], meta.sampled
+            num_tokens = x.shape[0]
+            if num_tokens == 0:
+                return x
         o = attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, D)
         # x += o_proj(o) in place, then normalize: the residual add fused into the norm.
         h = self.post_attention_layernorm(x, self.o_proj(o.reshape(num_tokens, self.q_size)))
@@ -71,7 +79,12 @@ class DecoderModel(nn.Module):
                 meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
         """Run the flat batch; return logits (float32) for `logits_rows` only: (S, vocab)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        *body, last = zip(self.layers, kv_caches)
+        for layer, (k_cache, v_cache) in body:
             x = layer(x, positions, self.rope, k_cache, v_cache, meta)
-        x = self.norm(x[logits_rows])  # (S, hidden): only rows whose next token we sample
-        return self.lm_head(x).float()
+        layer, (k_cache, v_cache) = last
+        if meta.sampled is None:  # every row is sampled (decode, verification)
+            x = layer(x, positions, self.rope, k_cache, v_cache, meta)[logits_rows]
+        else:  # past the last layer's K/V only the sampled rows matter: the rest of it runs on them alone
+            x = layer(x, positions, self.rope, k_cache, v_cache, meta, keep_rows=logits_rows)
+        return self.lm_head(self.norm(x)).float()  # (S, vocab)

@@ -21,6 +21,7 @@ from sessionserve.model.attention import (
     context_mask,
     mask_bias,
     pad_tables,
+    uses_gemm_attention,
 )
 from sessionserve.model.decoder import DecoderModel
 from sessionserve.model.hf_config import ModelArch, load_arch
@@ -211,6 +212,8 @@ class ModelRunner:
         logits_rows: list[int] = []
         spec_rows: list[int] = []
         sampled_seqs: list[Sequence] = []
+        out_sampled: list[tuple[list[int], range]] = []  # per chunk with logits rows: (table, their positions)
+        out_spec: list[tuple[list[int], range]] = []
         for chunk in plan.chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             table = plan.block_tables[seq.request_id]
@@ -233,8 +236,10 @@ class ModelRunner:
                 tile_ctx.add(row0, n, start, table[: -(-end // bs)])
             elif n >= GATHER_MIN_ROWS and self.use_kernel:
                 blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)
-                mask = context_mask(end, torch.arange(start, end, device=self.device))
-                ctx_gather.append((row0, n, blocks, mask_bias(mask, self.dtype)))  # once for every layer
+                bias = None
+                if not uses_gemm_attention(self.device, self.dtype):  # SDPA's mask, once for every layer
+                    bias = mask_bias(context_mask(end, torch.arange(start, end, device=self.device)), self.dtype)
+                ctx_gather.append((row0, n, blocks, end, bias))
             else:
                 paged_spans.append((len(paged_rows), n))
                 paged_rows.extend(range(row0, row0 + n))
@@ -244,11 +249,16 @@ class ModelRunner:
                 paged_ctx.append(end)
             if chunk.num_spec:
                 spec_rows.extend(range(row0 + n - 1 - chunk.num_spec, row0 + n))
+                out_spec.append((table[: -(-end // bs)], range(end - 1 - chunk.num_spec, end)))
             elif chunk.samples:
                 logits_rows.append(row0 + n - 1)
                 sampled_seqs.append(seq)
+                out_sampled.append((table[: -(-end // bs)], range(end - 1, end)))
         logits_rows.extend(spec_rows)  # verification rows come after the sampled ones
         dev = self.device
+        sampled_meta = None
+        if len(logits_rows) < len(input_ids):
+            sampled_meta = self._paged_meta(out_sampled + out_spec)
         meta = AttentionMetadata(
             slot_block=torch.tensor(slot_block, dtype=torch.long, device=dev),
             slot_offset=torch.tensor(slot_offset, dtype=torch.long, device=dev),
@@ -263,10 +273,32 @@ class ModelRunner:
             tile_fresh=tile_fresh.build(dev),
             tile_ctx=tile_ctx.build(dev),
             ctx_gather=ctx_gather,
+            sampled=sampled_meta,
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
                 torch.tensor(logits_rows, dtype=torch.long, device=dev), sampled_seqs)
+
+    def _paged_meta(self, seqs: list[tuple[list[int], range]]) -> AttentionMetadata:
+        """Metadata for rows that all take the paged path: per sequence its block table and the
+        positions of its rows, which are consecutive in the batch; their K/V is already stored."""
+        dev = self.device
+        empty = torch.empty(0, dtype=torch.long, device=dev)
+        seq_idx = [i for i, (_, pos) in enumerate(seqs) for _ in pos]
+        spans, row = [], 0
+        for _, pos in seqs:
+            spans.append((row, len(pos)))
+            row += len(pos)
+        return AttentionMetadata(
+            slot_block=empty, slot_offset=empty, fresh_groups=[],
+            paged_rows=torch.arange(row, dtype=torch.long, device=dev) if row else None,
+            paged_seq_idx=torch.tensor(seq_idx, dtype=torch.int32, device=dev) if row else None,
+            paged_pos=torch.tensor([p for _, pos in seqs for p in pos], dtype=torch.int32, device=dev) if row else None,
+            paged_block_tables=pad_tables([t for t, _ in seqs], dev) if row else None,
+            paged_ctx_lens=[pos.stop for _, pos in seqs],
+            paged_q_spans=spans,
+            use_kernel=self.use_kernel,
+        )
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         params = seq.sampling_params
