@@ -9,7 +9,8 @@ from torch import nn
 
 from sessionserve.model import fused_ops, paged_kernel
 from sessionserve.model.layers import RotaryEmbedding
-from sessionserve.model.packed_linear import PackedLinear, pack_linears, packing_supported
+from sessionserve.model.layers import SiluGateUp
+from sessionserve.model.packed_linear import PackedLinear, PackedSiluGateUp, pack_linears, packing_supported
 
 pytestmark = pytest.mark.skipif(not paged_kernel.available(), reason="C++ extension unavailable")
 
@@ -107,18 +108,43 @@ def test_packed_linear_matches_f_linear(rows: int) -> None:
 
 
 @pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32), reason="no oneDNN")
+@pytest.mark.parametrize("rows", [1, 32, 515])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_silu_gate_up_matches_eager(rows: int, dtype: torch.dtype) -> None:
+    if not packing_supported(torch.device("cpu"), dtype):
+        pytest.skip(f"no oneDNN {dtype}")
+    g = torch.Generator().manual_seed(rows)
+    module = SiluGateUp(96, 40)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(80, 96, generator=g) * 0.2)
+    x = torch.randn(rows, 96, generator=g)
+    gate, up = F.linear(x, module.weight).chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x), expected, atol=1e-5, rtol=1e-5)
+        got = PackedSiluGateUp(module.to(dtype))(x.to(dtype))
+    assert got.shape == (rows, 40) and got.dtype == dtype
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (0.1, 0.02)  # bf16: products of rounded GEMM outputs
+    torch.testing.assert_close(got.float(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32), reason="no oneDNN")
 def test_pack_linears_replaces_every_linear_and_keeps_tied_embedding() -> None:
     model = nn.Module()
     model.embed = nn.Embedding(50, 16)
     model.inner = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16, bias=False))
     model.head = nn.Linear(16, 50, bias=False)
     model.head.weight = model.embed.weight
+    model.mlp = SiluGateUp(16, 8)
+    nn.init.normal_(model.mlp.weight)
     ids = torch.tensor([3, 7, 49])
     with torch.inference_mode():
         expected = model.head(model.inner(model.embed(ids)))
-        assert pack_linears(model) == 3
-        assert not any(type(m) is nn.Linear for m in model.modules())
+        expected_mlp = model.mlp(model.embed(ids))
+        assert pack_linears(model) == 4
+        assert not any(type(m) in (nn.Linear, SiluGateUp) for m in model.modules())
         torch.testing.assert_close(model.head(model.inner(model.embed(ids))), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model.mlp(model.embed(ids)), expected_mlp, atol=1e-5, rtol=1e-5)
     assert model.embed.weight.shape == (50, 16)
 
 

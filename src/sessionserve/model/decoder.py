@@ -3,7 +3,8 @@
 One implementation for the family; the flavour flags of `ModelArch` switch
 q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Projections are fused at
 load time (q|k|v into one matrix, gate|up into another) so a decode step runs
-two large GEMMs per layer instead of five small ones.
+two large GEMMs per layer instead of five small ones; `gate_up_proj` returns
+the activated product silu(gate) * up.
 
 Input is a flat batch of T tokens from any mix of prefill chunks and decode
 steps; `AttentionMetadata` says which rows belong to which sequence.
@@ -15,9 +16,8 @@ import torch
 from torch import nn
 
 from sessionserve.model.attention import AttentionMetadata, attention, write_kv
-from sessionserve.model.fused_ops import silu_and_mul
 from sessionserve.model.hf_config import ModelArch
-from sessionserve.model.layers import RMSNorm, RotaryEmbedding
+from sessionserve.model.layers import RMSNorm, RotaryEmbedding, SiluGateUp
 
 
 class DecoderLayer(nn.Module):
@@ -33,7 +33,7 @@ class DecoderLayer(nn.Module):
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.gate_up_proj = SiluGateUp(arch.hidden_size, arch.intermediate_size)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
@@ -60,7 +60,7 @@ class DecoderLayer(nn.Module):
         o = attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, D)
         # x += o_proj(o) in place, then normalize: the residual add fused into the norm.
         h = self.post_attention_layernorm(x, self.o_proj(o.reshape(num_tokens, self.q_size)))
-        return x.add_(self.down_proj(silu_and_mul(self.gate_up_proj(h))))
+        return x.add_(self.down_proj(self.gate_up_proj(h)))
 
 
 class DecoderModel(nn.Module):

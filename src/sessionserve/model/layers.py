@@ -1,4 +1,5 @@
-"""Small building blocks of the decoder: RMSNorm and the rotary embedding (kernels in fused_ops.py)."""
+"""Small building blocks of the decoder: RMSNorm, the MLP's gated input and the rotary embedding (kernels in
+fused_ops.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sessionserve.model import fused_ops
@@ -22,6 +24,19 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None = None) -> torch.Tensor:
         """Normalize `x`; with `residual_delta`, first add it to `x` in place (the residual stream)."""
         return fused_ops.rms_norm(x, self.weight, self.eps, residual_delta)
+
+
+class SiluGateUp(nn.Module):
+    """The MLP's first half: silu(x Wg^T) * (x Wu^T), with [Wg; Wu] one (2I, H) `weight`, named as the fused
+    linear it stands for (checkpoints load into it the same way). `packed_linear` swaps it on CPU for two
+    oneDNN GEMMs that apply the SiLU and the product as they write their output."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_ops.silu_and_mul(F.linear(x, self.weight))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -10,7 +10,11 @@ accumulation), so results match `F.linear` to rounding.
 
 `pack_linears(model)` swaps every `nn.Linear` of a loaded model for a
 `PackedLinear` and drops the unpacked copy of its weight (a shared weight,
-e.g. an LM head tied to the embeddings, keeps its other users).
+e.g. an LM head tied to the embeddings, keeps its other users), and every
+`SiluGateUp` for a `PackedSiluGateUp`: the gate GEMM with oneDNN's SiLU
+post-op, the up GEMM with a multiply by it, so the (T, 2I) product and the
+pass of silu_and_mul over it disappear (M = 2048, 768 -> 2 x 3072, 2
+threads: 93-95 ms vs 105-108 in float32).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import logging
 
 import torch
 from torch import nn
+
+from sessionserve.model.layers import SiluGateUp
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +37,8 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
-    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return (hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and "binary" in torch.ops.mkldnn._linear_pointwise.overloads())
 
 
 class PackedLinear(nn.Module):
@@ -52,12 +59,31 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class PackedSiluGateUp(nn.Module):
+    """`SiluGateUp` as two pre-packed GEMMs: g = silu(x Wg^T) (post-op), then (x Wu^T) * g (binary post-op)."""
+
+    def __init__(self, module: SiluGateUp) -> None:
+        super().__init__()
+        with torch.no_grad():
+            gate, up = module.weight.detach().chunk(2, dim=0)
+            self.packed_gate = torch.ops.mkldnn._reorder_linear_weight(gate.contiguous(), None)
+            self.packed_up = torch.ops.mkldnn._reorder_linear_weight(up.contiguous(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.ops.mkldnn._linear_pointwise(x, self.packed_gate, None, "swish", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.packed_up, None, "mul")
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` in `model` by a `PackedLinear`, in place; return how many."""
+    """Replace every `nn.Linear` in `model` by a `PackedLinear` and every `SiluGateUp` by a
+    `PackedSiluGateUp`, in place; return how many modules were packed."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, PackedLinear(child))
+                count += 1
+            elif type(child) is SiluGateUp:
+                setattr(parent, name, PackedSiluGateUp(child))
                 count += 1
     return count
