@@ -24,6 +24,11 @@ and collects the results. This module imports only the standard library at
 top level, because the vLLM worker runs under an interpreter without our
 package.
 
+``--rounds N`` runs the whole comparison N times, the engines' order reversed
+every other round (ours, hf, vllm; then vllm, hf, ours; ...) and fresh prompts
+each round; the report adds each round's ratios and their min/median, which is
+what to quote on a machine whose speed drifts between minutes.
+
 The machine may be shared: before each timed run a worker waits until no
 process outside its own session uses CPU (``--idle-wait``), and it redoes, with
 fresh prompts, any run that other processes took more than ``--max-foreign``
@@ -613,26 +618,62 @@ def run_parent(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         raise SystemExit(f"--max-model-len {a.max_model_len} < longest case ({longest} tokens)")
 
     started = _dt.datetime.now().astimezone()
-    results: dict[str, dict[str, Any]] = {}
+    rounds: list[dict[str, dict[str, Any]]] = []
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="sessionserve-bench-") as tmp:
-        case_file = Path(tmp) / "cases.json"
-        case_file.write_text(json.dumps(build_case_file(cases, a.repeats, a.seed, vocab)))
-        for engine in engines:
-            res = run_engine(engine, a, case_file, Path(tmp))
-            if "error" in res:
-                errors[engine] = res["error"]
-            if res.get("cases"):  # a failed worker's finished cases still count
-                results[engine] = res
-            write_report(a, cases, started, results, errors)  # after each engine: a kill loses little
-    return write_report(a, cases, started, results, errors, final=True)
+        for r in range(a.rounds):
+            case_file = Path(tmp) / f"cases-{r}.json"
+            case_file.write_text(json.dumps(build_case_file(cases, a.repeats, a.seed + r, vocab)))
+            results: dict[str, dict[str, Any]] = {}
+            for engine in (engines if r % 2 == 0 else engines[::-1]):
+                res = run_engine(engine, a, case_file, Path(tmp))
+                if "error" in res:
+                    errors[engine if a.rounds == 1 else f"{engine} (round {r + 1})"] = res["error"]
+                if res.get("cases"):  # a failed worker's finished cases still count
+                    results[engine] = res
+                this_round = {e: results[e] for e in engines if e in results}  # ours first in every table
+                write_report(a, cases, started, [*rounds, this_round], errors)  # a kill loses little
+            rounds.append(this_round)
+    return write_report(a, cases, started, rounds, errors, final=True)
+
+
+def round_ratios(summaries: list[dict[str, Any]], cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per case and peer: ours / peer (medians) in each round where both ran, and their min and median."""
+    out: dict[str, Any] = {}
+    for case in cases:
+        name = case["name"]
+        peers = {e for s in summaries for e in s.get(name, {}) if e != "ours"}
+        for engine in sorted(peers, key=ENGINES.index):
+            values = [s[name][engine]["ours_over"] for s in summaries
+                      if "ours_over" in s.get(name, {}).get(engine, {})]
+            if values:
+                out.setdefault(name, {})[engine] = {"rounds": values, "min": min(values),
+                                                    "median": statistics.median(values)}
+    return out
+
+
+def ratios_markdown(ratios: dict[str, Any], cases: list[dict[str, Any]], num_rounds: int) -> str:
+    head = " | ".join(f"round {r + 1}" for r in range(num_rounds))
+    lines = [f"| case | ours / engine | {head} | min | median |", "|---|---|" + "---|" * (num_rounds + 2)]
+    for case in cases:
+        for engine, row in ratios.get(case["name"], {}).items():
+            cells = " | ".join(f"{x:.2f}x" for x in row["rounds"]) + " | " * (num_rounds - len(row["rounds"]))
+            lines.append(f"| {case['name']} | {engine} | {cells} | {row['min']:.2f}x | **{row['median']:.2f}x** |")
+    return "\n".join(lines)
 
 
 def write_report(a: argparse.Namespace, cases: list[dict[str, Any]], started: _dt.datetime,
-                 results: dict[str, dict[str, Any]], errors: dict[str, str], final: bool = False) -> int:
-    """Summarize, write the JSON report (partial until `final`), and at the end print the table."""
-    summary = summarize(results, cases)
-    table = markdown(summary, cases, errors, a.dtype)
+                 rounds: list[dict[str, dict[str, Any]]], errors: dict[str, str], final: bool = False) -> int:
+    """Summarize, write the JSON report (partial until `final`), and at the end print the tables."""
+    summaries = [summarize(results, cases) for results in rounds]
+    tables = [markdown(summary, cases, {}, a.dtype) for summary in summaries]
+    if len(rounds) > 1:
+        tables = [f"round {r + 1}:\n\n{t}" for r, t in enumerate(tables)]
+        tables.append("ours / engine per round:\n\n" + ratios_markdown(round_ratios(summaries, cases), cases,
+                                                                        len(rounds)))
+    tables += [f"| all | {engine} | failed: {err} | | | | | |" for engine, err in errors.items()]
+    table = "\n\n".join(tables)
+    results, summary = rounds[0] if rounds else {}, summaries[0] if summaries else {}
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "started": started.isoformat(timespec="seconds"),
@@ -642,6 +683,8 @@ def write_report(a: argparse.Namespace, cases: list[dict[str, Any]], started: _d
         "summary": summary,
         "errors": {e: {"error": errors[e]} for e in errors},
         "engines": results,
+        "rounds": [{"summary": sm, "engines": res} for sm, res in zip(summaries, rounds)],
+        "round_ratios": round_ratios(summaries, cases),
         "table_markdown": table,
         "finished": final,
     }
@@ -654,7 +697,7 @@ def write_report(a: argparse.Namespace, cases: list[dict[str, Any]], started: _d
     if not final:
         return 0
     print(table)
-    for engine, res in results.items():
+    for engine, res in results.items():  # the first round's
         print(f"{engine}: start-up {res['startup_s']:.1f} s, versions {res['versions']}"
               + (f"; {res['note']}" if "note" in res else ""))
     print(f"results: {out}")
@@ -774,6 +817,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--input-len", type=int, help="custom case: prompt tokens")
     p.add_argument("--output-len", type=int, help="custom case: generated tokens")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case (after one warm-up)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="whole comparisons, engine order reversed every other round; ratios per round")
     p.add_argument("--model", default=None, help="HF model folder (default: the llama-small random model)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
@@ -811,8 +856,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     a = p.parse_args(argv)
     if a.dtype is None:
         a.dtype = "bfloat16" if a.device.startswith("cuda") else "float32"
-    if a.repeats < 1 or a.threads < 1:
-        p.error("--repeats and --threads must be >= 1")
+    if a.repeats < 1 or a.threads < 1 or a.rounds < 1:
+        p.error("--repeats, --rounds and --threads must be >= 1")
     if a.worker or a.make_model:
         return a, None
     if a.engines is None:
