@@ -103,7 +103,7 @@ def test_no_cross_tenant_prefix_hit_by_timing(server: LiveServer) -> None:
         return time.perf_counter() - t0
 
     def prompt(tag: str) -> str:
-        return " ".join(f"{tag}{i}" for i in range(260))  # ~2,000 tokens
+        return " ".join(f"{tag}{i}" for i in range(440))  # ~3,400 tokens, under the tiny model's 4,096
 
     chat(server, [{"role": "user", "content": "warm up"}], max_tokens=1)
     hits, cross, misses = [], [], []
@@ -114,7 +114,7 @@ def test_no_cross_tenant_prefix_hit_by_timing(server: LiveServer) -> None:
         cross.append(timed(BOB, secret))              # bob, same prompt
         misses.append(timed(BOB, prompt(f"fresh{i}y")))  # bob, a prompt nobody sent
     hit, cross_t, miss = (statistics.median(x) for x in (hits, cross, misses))
-    assert miss > 3 * hit, (hits, misses)  # the signal exists
+    assert miss > 2 * hit, (hits, misses)  # the signal exists
     assert cross_t > 0.6 * miss and cross_t > 1.5 * hit, (hits, cross, misses)
     wait_idle(server)
     close_all_sessions(server)
