@@ -1,5 +1,6 @@
 """The CPU attention kernels alone: bf16 prefill tiles vs SDPA and vs the paged kernel on context chunks; fp32
-context chunks through the paged kernel vs a gather of the context and SDPA.
+fresh prefills through SDPA vs our GEMMs, and fp32 context chunks through the paged kernel vs a gather of the
+context and our GEMMs.
 
     .venv/bin/python bench/attention_kernels.py [--threads 2] [--repeats 5]
 
@@ -8,8 +9,10 @@ Fresh prefill: `--seqs` sequences of `--len` tokens, causal, through
 without tiles). Context chunks: one sequence with `ctx` cached tokens in a
 scattered block table and `rows` new query tokens, through the paged kernel
 and through the tiles; this is what `attention.TILE_MIN_ROWS` is chosen
-from. In float32 (no tiles) the same context chunks through the paged kernel
-and through the engine's gather + SDPA path: `attention.GATHER_MIN_ROWS`.
+from. In float32 (no tiles): the fresh prefills through SDPA (stacked, as one
+call) and through the engine's row-blocked GEMMs (`attention.causal_attention`),
+and the context chunks through the paged kernel and through the engine's
+gather + GEMM path: `attention.GATHER_MIN_ROWS`.
 The bf16 tables need the AVX512-BF16 kernel; the fp32 one runs anywhere.
 Random inputs, median of `--repeats` timed calls after one warm-up.
 """
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from sessionserve.model import paged_kernel, tile_attention
-from sessionserve.model.attention import context_attention
+from sessionserve.model.attention import causal_attention, context_attention
 
 
 def timed_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -65,8 +68,19 @@ def main() -> None:
     if not paged_kernel.available():  # loads (or builds) the C++ kernels
         raise SystemExit("no paged attention kernel on this machine/build")
 
+    n, L = a.seqs, a.len
+    q, k, v = (torch.randn(n * L, h, D, generator=g) for h in (H, Hkv, Hkv))
+    qs, ks, vs = (x.view(n, L, -1, D).transpose(1, 2) for x in (q, k, v))
+    sdpa = timed_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True),
+                    a.repeats)
+    gemm = timed_ms(lambda: [causal_attention(q[i * L:(i + 1) * L], ks[i], vs[i], scale) for i in range(n)],
+                    a.repeats)
+    print(f"float32 fresh prefill, {n} x {L} tokens, {H}/{Hkv} heads of {D}, {a.threads} threads")
+    print("| path | ms | vs SDPA |\n|---|---|---|")
+    print(f"| SDPA (fused, causal) | {sdpa:.2f} | 1.00x |\n| GEMMs | {gemm:.2f} | {sdpa / gemm:.2f}x |\n")
+
     print(f"float32 context chunks, one sequence, {H}/{Hkv} heads of {D}, block size {BS}, {a.threads} threads")
-    print("| cached tokens | new rows | paged kernel ms | gather + SDPA ms | paged / gather |\n|---|---|---|---|---|")
+    print("| cached tokens | new rows | paged kernel ms | gather + GEMMs ms | paged / gather |\n|---|---|---|---|---|")
     for ctx in (256, 1024, 4096):
         for rows in (8, 16, 32, 64, 256):
             paged, gather = context_chunk_fp32(ctx, rows, H, Hkv, D, BS, g, a.repeats)
@@ -75,7 +89,6 @@ def main() -> None:
     if not tile_attention.available():
         raise SystemExit("no AVX512-BF16 tile kernel on this machine/build: bf16 tables skipped")
 
-    n, L = a.seqs, a.len
     q = torch.randn(n * L, H, D, generator=g).to(bf16)
     k = torch.randn(n * L, Hkv, D, generator=g).to(bf16)
     v = torch.randn(n * L, Hkv, D, generator=g).to(bf16)
@@ -99,7 +112,7 @@ def main() -> None:
 
 def context_chunk_fp32(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g: torch.Generator,
                        repeats: int) -> tuple[float, float]:
-    """ms of the paged kernel and of gather + SDPA for `rows` new fp32 tokens over `ctx` cached ones."""
+    """ms of the paged kernel and of gather + GEMMs for `rows` new fp32 tokens over `ctx` cached ones."""
     scale, total = D ** -0.5, ctx + rows
     nb = -(-total // BS)
     k_cache = torch.randn(nb + 4, Hkv, BS, D, generator=g)
