@@ -12,7 +12,7 @@ and through the tiles; this is what `attention.TILE_MIN_ROWS` is chosen
 from. In float32 (no tiles): the fresh prefills through SDPA (stacked, as one
 call) and through the engine's row-blocked GEMMs (`attention.causal_attention`),
 and the context chunks through the paged kernel and through the engine's
-gather + GEMM path: `attention.GATHER_MIN_ROWS`.
+gather + GEMM path: `attention.GEMM_GATHER_MIN_ROWS`.
 The bf16 tables need the AVX512-BF16 kernel; the fp32 one runs anywhere.
 Random inputs, median of `--repeats` timed calls after one warm-up.
 """

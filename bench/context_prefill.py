@@ -7,8 +7,8 @@ the user's message) is computed over the session's cached history. Per
 context length: the context is prefilled once (cached), then the timed run
 sends context + `--new` fresh tokens as one request (one step, one chunk)
 and measures it to its first token. Each attention path on its own engine,
-side by side: `gather` (context chunks of `attention.GATHER_MIN_ROWS` rows
-or more gather their context for SDPA, the default) and `paged` (every
+side by side: `gather` (context chunks of `attention.gather_min_rows` rows
+or more gather their context for attention, the default) and `paged` (every
 context chunk streams the context once per row through the paged kernel,
 the behaviour before). Median of `--repeats` runs, distinct tokens each.
 """
@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from sessionserve import LLMEngine, SamplingParams
 from sessionserve.config import Config
-from sessionserve.model import runner as runner_module
 from sessionserve.model.make_model import ensure_model
 
 
@@ -52,12 +51,12 @@ def main() -> None:
     model = ensure_model("llama", a.model_size)
     contexts = [int(x) for x in a.contexts.split(",")]
     gen = torch.Generator().manual_seed(0)
-    default_rows = runner_module.GATHER_MIN_ROWS
     results: dict[str, dict[int, list[float]]] = {}
-    for path, rows in (("gather", default_rows), ("paged", 1 << 30)):
-        runner_module.GATHER_MIN_ROWS = rows
+    for path in ("gather", "paged"):
         eng = LLMEngine(Config.from_kwargs(kv_cache_bytes=512 << 20, num_threads=a.threads, dtype=a.dtype,
                                            max_num_batched_tokens=max(512, a.new), max_num_seqs=8), model)
+        if path == "paged":
+            eng.runner.gather_min_rows = 1 << 30
         first_token_s(eng, torch.randint(100, 16000, (a.new,), generator=gen).tolist())  # warm-up
         results[path] = {}
         for ctx in contexts:
@@ -69,10 +68,9 @@ def main() -> None:
                 times.append(first_token_s(eng, ids))
             results[path][ctx] = times
         eng.close()
-    runner_module.GATHER_MIN_ROWS = default_rows
     print(f"llama-{a.model_size}, {a.dtype}, {a.threads} threads, {a.new} new tokens per turn, "
           f"median (min) of {a.repeats}")
-    print("| cached context | paged kernel ms | gather + SDPA ms | paged / gather |\n|---|---|---|---|")
+    print("| cached context | paged kernel ms | gather ms | paged / gather |\n|---|---|---|---|")
     for ctx in contexts:
         pm, gm = (statistics.median(results[k][ctx]) * 1e3 for k in ("paged", "gather"))
         pmin, gmin = (min(results[k][ctx]) * 1e3 for k in ("paged", "gather"))

@@ -120,11 +120,9 @@ def test_prefix_cache_hit_matches_hf(pair, use_kernel: bool) -> None:
 
 def test_long_context_chunk_matches_hf(pair) -> None:
     """An agent's next turn: many new rows over a cached context (the gather path where the kernel runs)."""
-    from sessionserve.model.attention import GATHER_MIN_ROWS
-
     hf, runner = pair
     kv = KVCacheManager(runner.num_blocks, BLOCK)
-    full = tokens(50 + GATHER_MIN_ROWS + 8, 8)
+    full = tokens(50 + runner.gather_min_rows + 8, 8)
     seq, other = create_seq(0, tokens=full), create_seq(0, tokens=tokens(20, 9))
     run_chunks(runner, kv, [(seq, 0, 50), (other, 0, 20)], use_kernel=True)
     other.token_ids.append(tokens(1, 10)[0])

@@ -15,7 +15,7 @@ Paths, chosen per sequence:
     chunk's own K/V; float32 on CPU our GEMMs in row blocks that skip the
     masked keys, else SDPA with equal-length chunks stacked into one call;
   - context prefill (chunks after a prefix-cache hit or an earlier chunk,
-    an agent's every next turn) of at least GATHER_MIN_ROWS tokens without
+    an agent's every next turn) of at least `gather_min_rows` tokens without
     tiles: a gather of the sequence's context, then attention under an
     offset causal mask (on CPU in float32 our GEMMs, the query heads of a
     KV head as rows of one GEMM; otherwise SDPA);
@@ -40,6 +40,9 @@ TILE_MIN_ROWS = 16
 # kernel streams the whole context once per row (2 threads, fp32, 12/4 heads of 64: break-even at
 # 16-32 rows, gather 1.8x faster at 32 rows over 1k tokens, 3.7x at 64 over 4k).
 GATHER_MIN_ROWS = 32
+# The same for the gather into our GEMMs (float32 on CPU), which pay off sooner: break-even at 4-5 rows
+# (32 sequences over 256-1,024 cached tokens, 2 threads), gather 1.2-1.9x faster at 8 rows, 1.4-3x at 16.
+GEMM_GATHER_MIN_ROWS = 8
 
 
 @dataclass(slots=True)
@@ -182,6 +185,11 @@ def mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def uses_gemm_attention(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `causal_attention` runs our GEMM path (which needs no mask) rather than SDPA."""
     return device.type == "cpu" and dtype == torch.float32
+
+
+def gather_min_rows(device: torch.device, dtype: torch.dtype) -> int:
+    """The fewest rows of a context chunk that gather its context rather than go through the paged kernel."""
+    return GEMM_GATHER_MIN_ROWS if uses_gemm_attention(device, dtype) else GATHER_MIN_ROWS
 
 
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,

@@ -14,11 +14,11 @@ from sessionserve.core.scheduler import SchedulerOutput
 from sessionserve.core.sequence import Sequence
 from sessionserve.model import paged_kernel, tile_attention
 from sessionserve.model.attention import (
-    GATHER_MIN_ROWS,
     TILE_MIN_ROWS,
     AttentionMetadata,
     TileBatchBuilder,
     context_mask,
+    gather_min_rows,
     mask_bias,
     pad_tables,
     uses_gemm_attention,
@@ -98,6 +98,7 @@ class ModelRunner:
                            and paged_kernel.supports(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim))
         self.use_tiles = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and tile_attention.available()
                           and tile_attention.supports_shape(self.arch.head_dim))
+        self.gather_min_rows = gather_min_rows(self.device, self.dtype)  # context chunks this long gather
         self._generators: dict[str, tuple[Sequence, torch.Generator]] = {}
         self._prompt_seen: dict[str, tuple[Sequence, torch.Tensor]] = {}  # repetition_penalty's prompt masks
         self._default_generator = torch.Generator(device=self.device)
@@ -234,7 +235,7 @@ class ModelRunner:
                 fresh.setdefault(n, []).append(row0)
             elif self.use_tiles and n >= TILE_MIN_ROWS:
                 tile_ctx.add(row0, n, start, table[: -(-end // bs)])
-            elif n >= GATHER_MIN_ROWS and self.use_kernel:
+            elif n >= self.gather_min_rows and self.use_kernel:
                 blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)
                 bias = None
                 if not uses_gemm_attention(self.device, self.dtype):  # SDPA's mask, once for every layer
