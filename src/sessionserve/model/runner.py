@@ -98,6 +98,7 @@ class ModelRunner:
                            and paged_kernel.supports(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim))
         self.use_tiles = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and tile_attention.available()
                           and tile_attention.supports_shape(self.arch.head_dim))
+        self.gemm_attention = uses_gemm_attention(self.device, self.dtype)  # our GEMMs (no mask) rather than SDPA
         self.gather_min_rows = gather_min_rows(self.device, self.dtype)  # context chunks this long gather
         self._generators: dict[str, tuple[Sequence, torch.Generator]] = {}
         self._prompt_seen: dict[str, tuple[Sequence, torch.Tensor]] = {}  # repetition_penalty's prompt masks
@@ -238,7 +239,7 @@ class ModelRunner:
             elif n >= self.gather_min_rows and self.use_kernel:
                 blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)
                 bias = None
-                if not uses_gemm_attention(self.device, self.dtype):  # SDPA's mask, once for every layer
+                if not self.gemm_attention:  # SDPA's mask, once for every layer
                     bias = mask_bias(context_mask(end, torch.arange(start, end, device=self.device)), self.dtype)
                 ctx_gather.append((row0, n, blocks, end, bias))
             else:
