@@ -101,6 +101,7 @@ def _step_logits(runner, kv: KVCacheManager, chunks: list[tuple], tiles: bool) -
     plan = SchedulerOutput(tuple(ScheduledChunk(s, st, n, st + n == s.num_tokens) for s, st, n in chunks),
                            sum(n for _, _, n in chunks), (), kv.block_tables)
     runner.use_tiles = tiles
+    runner.amx_attention = False  # on a CPU with AMX, prefills would take flash attention instead
     input_ids, positions, meta, _, _ = runner.prepare_batch(plan)
     assert (meta.tile_fresh is not None or meta.tile_ctx is not None) == tiles
     meta.sampled = None  # every row's logits: the last layer runs on all of them

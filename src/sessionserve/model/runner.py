@@ -14,6 +14,7 @@ from sessionserve.core.scheduler import SchedulerOutput
 from sessionserve.core.sequence import Sequence
 from sessionserve.model import paged_kernel, tile_attention
 from sessionserve.model.attention import (
+    SPLIT_MIN_ROWS,
     TILE_MIN_ROWS,
     AttentionMetadata,
     TileBatchBuilder,
@@ -21,6 +22,7 @@ from sessionserve.model.attention import (
     gather_min_rows,
     mask_bias,
     pad_tables,
+    uses_amx_attention,
     uses_gemm_attention,
 )
 from sessionserve.model.decoder import DecoderModel
@@ -99,6 +101,7 @@ class ModelRunner:
         self.use_tiles = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and tile_attention.available()
                           and tile_attention.supports_shape(self.arch.head_dim))
         self.gemm_attention = uses_gemm_attention(self.device, self.dtype)  # our GEMMs (no mask) rather than SDPA
+        self.amx_attention = uses_amx_attention(self.device, self.dtype)  # prefills: flash attention, not tiles
         self.gather_min_rows = gather_min_rows(self.device, self.dtype)  # context chunks this long gather
         self._generators: dict[str, tuple[Sequence, torch.Generator]] = {}
         self._prompt_seen: dict[str, tuple[Sequence, torch.Tensor]] = {}  # repetition_penalty's prompt masks
@@ -108,10 +111,11 @@ class ModelRunner:
         self._grammar_compiler: GrammarCompiler | None = None
         self._constraints: dict[str, tuple[Sequence, Constraint]] = {}
         logger.info("loaded %s (%.1fM params) on %s/%s, %d KV blocks of %d tokens, paged kernel %s, "
-                    "prefill tiles %s, packed weights %s",
+                    "prefill attention %s, packed weights %s",
                     self.arch.architecture, self.arch.num_params() / 1e6, self.device, self.dtype,
                     self.num_blocks, self.block_size, "on" if self.use_kernel else "off",
-                    "on" if self.use_tiles else "off", "on" if self.packed else "off")
+                    "flash (AMX)" if self.amx_attention else "tiles" if self.use_tiles
+                    else "ours (GEMM)" if self.gemm_attention else "SDPA", "on" if self.packed else "off")
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
@@ -205,6 +209,7 @@ class ModelRunner:
         tile_fresh = TileBatchBuilder()
         tile_ctx = TileBatchBuilder()
         ctx_gather: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        ctx_split: list[tuple[int, int, torch.Tensor, int]] = []
         paged_rows: list[int] = []
         paged_seq: list[int] = []
         paged_pos: list[int] = []
@@ -230,10 +235,13 @@ class ModelRunner:
             positions.extend(pos)
             slot_block.extend(table[p // bs] for p in pos)
             slot_offset.extend(p % bs for p in pos)
-            if self.use_tiles and start == 0:
+            if start == 0 and self.use_tiles and not self.amx_attention:
                 tile_fresh.add(row0, n, 0)
             elif start == 0:
                 fresh.setdefault(n, []).append(row0)
+            elif self.amx_attention and n >= SPLIT_MIN_ROWS:
+                prefix = torch.tensor(table[: -(-start // bs)], dtype=torch.long, device=self.device)
+                ctx_split.append((row0, n, prefix, start))
             elif self.use_tiles and n >= TILE_MIN_ROWS:
                 tile_ctx.add(row0, n, start, table[: -(-end // bs)])
             elif n >= self.gather_min_rows and self.use_kernel:
@@ -275,6 +283,7 @@ class ModelRunner:
             tile_fresh=tile_fresh.build(dev),
             tile_ctx=tile_ctx.build(dev),
             ctx_gather=ctx_gather,
+            ctx_split=ctx_split,
             sampled=sampled_meta,
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
