@@ -10,27 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import CacheConfig, ModelConfig
-from sessionserve.core.scheduler import ScheduledChunk, SchedulerOutput
-from sessionserve.model.attention import SPLIT_MIN_ROWS, split_attention, uses_amx_attention
+from sessionserve.model.attention import split_attention, uses_amx_attention
+from tests.engine.prefill_helpers import causal_reference, gather, step_logits
 from tests.unit.core.utils import create_seq
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
                                 reason="this torch has no CPU flash attention op")
 
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
-    """float32 attention of q (n, H, D) at positions pos0.. over keys k, v (ctx, Hkv, D)."""
-    n, ctx = q.shape[0], k.shape[0]
-    mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(pos0, pos0 + n).unsqueeze(1)
-    o = F.scaled_dot_product_attention(q.float().transpose(0, 1), k.float().transpose(0, 1),
-                                       v.float().transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -44,35 +33,19 @@ def test_split_attention_matches_one_masked_softmax(dtype: torch.dtype, heads: i
     k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(dtype)
     table = torch.randperm(num_blocks, generator=g)[: -(-ctx // block_size)]
-    keys = k_cache[table].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :ctx].transpose(0, 1)
-    values = v_cache[table].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :ctx].transpose(0, 1)
+    keys, values = gather(k_cache, table, ctx), gather(v_cache, table, ctx)
     q = (torch.randn(n, heads, head_dim, generator=g) * 2).to(dtype)  # peaked enough that the mask matters
     scale = head_dim ** -0.5
     prefix = table[: -(-start // block_size)]
     out = split_attention(q, keys[start:], values[start:], k_cache, v_cache, prefix, start, scale)
     assert out.shape == q.shape and out.dtype == dtype
-    torch.testing.assert_close(out.float(), _reference(q, keys, values, start, scale), atol=ATOL[dtype], rtol=0)
+    torch.testing.assert_close(out.float(), causal_reference(q, keys, values, start, scale), atol=ATOL[dtype], rtol=0)
 
 
 def test_amx_choice_follows_the_cpu() -> None:
     cpu = torch.device("cpu")
     assert not uses_amx_attention(cpu, torch.float32)
     assert uses_amx_attention(cpu, torch.bfloat16) == bool(torch.cpu._is_amx_tile_supported())
-
-
-def _step_logits(runner, kv: KVCacheManager, chunks: list[tuple], flash: bool) -> torch.Tensor:
-    for seq, start, n in chunks:
-        assert kv.allocate(seq.request_id, start + n) is not None
-    plan = SchedulerOutput(tuple(ScheduledChunk(s, st, n, st + n == s.num_tokens) for s, st, n in chunks),
-                           sum(n for _, _, n in chunks), (), kv.block_tables)
-    runner.amx_attention = flash
-    runner.use_tiles = False
-    input_ids, positions, meta, _, _ = runner.prepare_batch(plan)
-    has_ctx = any(start > 0 and n >= SPLIT_MIN_ROWS for _, start, n in chunks)
-    assert bool(meta.ctx_split) == (flash and has_ctx)
-    meta.sampled = None  # every row's logits: the last layer runs on all of them
-    with torch.inference_mode():
-        return runner.model(input_ids, positions, runner.kv_caches, meta, torch.arange(input_ids.shape[0])).float()
 
 
 def test_engine_prefill_with_flash_is_as_close_to_float32_as_without(tiny_models: dict[str, Path]) -> None:
@@ -89,9 +62,11 @@ def test_engine_prefill_with_flash_is_as_close_to_float32_as_without(tiny_models
         runner = ModelRunner(path, ModelConfig(device="cpu", dtype=dtype), CacheConfig(block_size=16, num_blocks=96))
         kv = KVCacheManager(runner.num_blocks, 16)
         seqs = {rid: create_seq(len(p), tokens=p, rid=rid) for rid, p in prompts.items()}
-        first = _step_logits(runner, kv, [(seqs["a"], 0, 60), (seqs["b"], 0, 60), (seqs["c"], 0, 45),
-                                          (seqs["d"], 0, 60), (seqs["e"], 0, 50)], flash)
-        second = _step_logits(runner, kv, [(seqs["e"], 50, 80)], flash)  # 80 rows over 50 cached tokens
+        first, meta = step_logits(runner, kv, [(seqs["a"], 0, 60), (seqs["b"], 0, 60), (seqs["c"], 0, 45),
+                                               (seqs["d"], 0, 60), (seqs["e"], 0, 50)], tiles=False, flash=flash)
+        assert not meta.ctx_split
+        second, meta = step_logits(runner, kv, [(seqs["e"], 50, 80)], tiles=False, flash=flash)  # 80 rows over 50
+        assert bool(meta.ctx_split) == flash
         results[(dtype, flash)] = torch.cat([first, second])
     exact = results[("float32", False)]
     err_sdpa = (results[("bfloat16", False)] - exact).abs().max().item()

@@ -6,27 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import CacheConfig, ModelConfig
-from sessionserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from sessionserve.model import tile_attention
+from tests.engine.prefill_helpers import causal_reference, gather, step_logits
 from tests.unit.core.utils import create_seq
 
 pytestmark = pytest.mark.skipif(not tile_attention.available(), reason="no AVX512-BF16 tile kernel in this build")
 
 # bf16 inputs and output: the output alone rounds at 2^-9 relative; P is rounded to bf16 before P V.
 ATOL = 2e-2
-
-
-def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
-    """float32 attention of q (n, H, D) at positions pos0.. over keys k, v (ctx, Hkv, D)."""
-    n, ctx = q.shape[0], k.shape[0]
-    mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(pos0, pos0 + n).unsqueeze(1)
-    o = F.scaled_dot_product_attention(q.float().transpose(0, 1), k.float().transpose(0, 1),
-                                       v.float().transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
 
 
 def _ints(values: list[int]) -> torch.Tensor:
@@ -49,7 +39,7 @@ def test_fresh_prefill_on_strided_rows_matches_float32(heads: int, kv_heads: int
     tile_attention.tile_attention_(out, q, k, v, _ints(starts), _ints(lens), _ints([0] * len(lens)), None, scale)
     assert torch.count_nonzero(out[:pad]) == 0
     for s, n in zip(starts, lens):
-        expected = _causal_reference(q[s:s + n], k[s:s + n], v[s:s + n], 0, scale)
+        expected = causal_reference(q[s:s + n], k[s:s + n], v[s:s + n], 0, scale)
         torch.testing.assert_close(out[s:s + n].float(), expected, atol=ATOL, rtol=0)
 
 
@@ -80,9 +70,8 @@ def test_context_prefill_through_block_tables_matches_float32(block_size: int) -
     for (n, p), s, table in zip(chunks, starts, tables):
         ctx = n + p
         blocks = torch.tensor(table, dtype=torch.long)
-        keys = k_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :ctx].transpose(0, 1)
-        values = v_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :ctx].transpose(0, 1)
-        torch.testing.assert_close(out[s:s + n].float(), _causal_reference(q[s:s + n], keys, values, p, scale),
+        keys, values = gather(k_cache, blocks, ctx), gather(v_cache, blocks, ctx)
+        torch.testing.assert_close(out[s:s + n].float(), causal_reference(q[s:s + n], keys, values, p, scale),
                                    atol=ATOL, rtol=0)
 
 
@@ -93,20 +82,6 @@ def test_rejects_what_it_cannot_run() -> None:
     q = torch.randn(4, 2, 48).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         tile_attention.tile_attention_(torch.empty_like(q), q, q, q, _ints([0]), _ints([4]), _ints([0]), None, 1.0)
-
-
-def _step_logits(runner, kv: KVCacheManager, chunks: list[tuple], tiles: bool) -> torch.Tensor:
-    for seq, start, n in chunks:
-        assert kv.allocate(seq.request_id, start + n) is not None
-    plan = SchedulerOutput(tuple(ScheduledChunk(s, st, n, st + n == s.num_tokens) for s, st, n in chunks),
-                           sum(n for _, _, n in chunks), (), kv.block_tables)
-    runner.use_tiles = tiles
-    runner.amx_attention = False  # on a CPU with AMX, prefills would take flash attention instead
-    input_ids, positions, meta, _, _ = runner.prepare_batch(plan)
-    assert (meta.tile_fresh is not None or meta.tile_ctx is not None) == tiles
-    meta.sampled = None  # every row's logits: the last layer runs on all of them
-    with torch.inference_mode():
-        return runner.model(input_ids, positions, runner.kv_caches, meta, torch.arange(input_ids.shape[0])).float()
 
 
 def test_engine_prefill_with_tiles_is_as_close_to_float32_as_without(tiny_models: dict[str, Path]) -> None:
@@ -125,8 +100,11 @@ def test_engine_prefill_with_tiles_is_as_close_to_float32_as_without(tiny_models
         kv = KVCacheManager(runner.num_blocks, 16)
         a = create_seq(len(prompt_a), tokens=prompt_a, rid="a")
         b = create_seq(len(prompt_b), tokens=prompt_b, rid="b")
-        first = _step_logits(runner, kv, [(a, 0, 90), (b, 0, 50)], tiles)
-        second = _step_logits(runner, kv, [(b, 50, 70)], tiles)  # 70 rows over 50 cached tokens: tile_ctx
+        # on a CPU with AMX, prefills would take flash attention instead: off here
+        first, meta = step_logits(runner, kv, [(a, 0, 90), (b, 0, 50)], tiles=tiles, flash=False)
+        assert (meta.tile_fresh is not None) == tiles
+        second, meta = step_logits(runner, kv, [(b, 50, 70)], tiles=tiles, flash=False)  # 70 rows over 50 cached
+        assert (meta.tile_ctx is not None) == tiles
         results[(dtype, tiles)] = torch.cat([first, second])
     exact = results[("float32", False)]
     err_sdpa = (results[("bfloat16", False)] - exact).abs().max().item()
@@ -157,8 +135,7 @@ def test_long_contexts_packed_in_several_groups_match_float32() -> None:
                                    _ints([p for _, p in chunks]), block_tables, scale)
     for (n, p), s, table in zip(chunks, [0, lens[0]], tables):
         blocks = torch.tensor(table, dtype=torch.long)
-        keys = k_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :n + p].transpose(0, 1)
-        values = v_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :n + p].transpose(0, 1)
-        expected = _causal_reference(q[s:s + n], keys, values, p, scale)
+        keys, values = gather(k_cache, blocks, n + p), gather(v_cache, blocks, n + p)
+        expected = causal_reference(q[s:s + n], keys, values, p, scale)
         assert expected.abs().mean() > 0.3
         torch.testing.assert_close(out[s:s + n].float(), expected, atol=ATOL, rtol=0)
