@@ -180,7 +180,8 @@ class ModelRunner:
                 sample_logits = logits.clone()  # logprobs stay those of the raw model
             apply_constraints(sample_logits, constraints)
         rows = [self._sample_row(seq) for seq in sampled_seqs]
-        tokens = sample(sample_logits, rows).tolist()
+        own = sample_logits is not logits or not want  # logprobs need the raw logits: edit a copy then
+        tokens = sample(sample_logits, rows, in_place=own).tolist()
         if constraints is not None:
             for constraint, tok in zip(constraints, tokens):
                 if constraint is not None:

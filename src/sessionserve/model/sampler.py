@@ -62,11 +62,14 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return probs / probs.sum()
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Next token per row of `logits` (S, V) -> (S,) int64 on the CPU."""
+def sample(logits: torch.Tensor, rows: list[SampleRow], *, in_place: bool = False) -> torch.Tensor:
+    """Next token per row of `logits` (S, V) -> (S,) int64 on the CPU.
+
+    Bans, logit bias and penalties edit a copy of `logits`, or `logits` itself when `in_place`
+    (the caller has no further use for the raw values)."""
     needs_edit = [i for i, r in enumerate(rows) if r.banned or r.params.logit_bias or r.output_ids is not None]
     if needs_edit:
-        logits = logits.clone()
+        logits = logits if in_place else logits.clone()
         for i in needs_edit:
             r = rows[i]
             if r.params.logit_bias:

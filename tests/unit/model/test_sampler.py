@@ -92,3 +92,11 @@ def test_penalties_turn_off_speculation() -> None:
     assert SamplingParams().can_speculate
     assert not SamplingParams(presence_penalty=0.1).can_speculate
     assert not SamplingParams(repetition_penalty=1.1).can_speculate
+
+
+def test_in_place_sampling_edits_the_given_logits() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 7] = 1.0
+    banned = SampleRow(SamplingParams(temperature=0), None, (7,))
+    assert sample(logits, [banned], in_place=True).tolist() != [7]
+    assert logits[0, 7] == float("-inf")  # no copy made: the caller said it has no use for the raw values
