@@ -9,7 +9,11 @@ Fresh prefill: `--seqs` sequences of `--len` tokens, causal, through
 without tiles). Context chunks: one sequence with `ctx` cached tokens in a
 scattered block table and `rows` new query tokens, through the paged kernel
 and through the tiles; this is what `attention.TILE_MIN_ROWS` is chosen
-from. In float32 (no tiles): the fresh prefills through SDPA (stacked, as one
+from. Both bf16 tables also time PyTorch's CPU flash attention, which is what
+the engine takes instead of the tiles on CPUs with AMX: for fresh prefills it
+is the fused SDPA row, for context chunks `attention.split_attention` (one call
+over the cached prefix, one causal call over the chunk, merged by log-sum-exp;
+from `attention.SPLIT_MIN_ROWS` rows). In float32 (no tiles): the fresh prefills through SDPA (stacked, as one
 call) and through the engine's row-blocked GEMMs (`attention.causal_attention`),
 and the context chunks through the paged kernel and through the engine's
 gather + GEMM path: `attention.GEMM_GATHER_MIN_ROWS`.
@@ -32,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from sessionserve.model import paged_kernel, tile_attention
-from sessionserve.model.attention import causal_attention, context_attention
+from sessionserve.model.attention import causal_attention, context_attention, split_attention, uses_amx_attention
 
 
 def timed_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -98,16 +102,20 @@ def main() -> None:
     tiles = timed_ms(lambda: tile_attention.tile_attention_(out, q, k, v, starts, lens, zeros, None, scale), a.repeats)
     sdpa = timed_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True),
                     a.repeats)
-    print(f"fresh prefill, {n} x {L} tokens, {H}/{Hkv} heads of {D}, {a.threads} threads")
+    amx = "AMX: the engine takes flash attention" if uses_amx_attention(torch.device("cpu"), bf16) else "no AMX"
+    print(f"fresh prefill, {n} x {L} tokens, {H}/{Hkv} heads of {D}, {a.threads} threads ({amx})")
     print("| kernel | ms | vs SDPA |\n|---|---|---|")
-    print(f"| SDPA (fused, causal) | {sdpa:.2f} | 1.00x |\n| tiles | {tiles:.2f} | {sdpa / tiles:.2f}x |\n")
+    print(f"| SDPA (fused, causal: CPU flash attention) | {sdpa:.2f} | 1.00x |\n"
+          f"| tiles | {tiles:.2f} | {sdpa / tiles:.2f}x |\n")
 
     print(f"context chunks, one sequence, block size {BS}")
-    print("| cached tokens | new rows | paged kernel ms | tiles ms | paged / tiles |\n|---|---|---|---|---|")
+    print("| cached tokens | new rows | paged kernel ms | tiles ms | split flash ms | paged / tiles | split / tiles |\n"
+          "|---|---|---|---|---|---|---|")
     for ctx in (500, 4000, 16000):
         for rows in (16, 64, 256):
-            paged, tile = context_chunk(ctx, rows, H, Hkv, D, BS, g, a.repeats)
-            print(f"| {ctx} | {rows} | {paged:.2f} | {tile:.2f} | {paged / tile:.2f}x |")
+            paged, tile, split = context_chunk(ctx, rows, H, Hkv, D, BS, g, a.repeats)
+            print(f"| {ctx} | {rows} | {paged:.2f} | {tile:.2f} | {split:.2f} | {paged / tile:.2f}x "
+                  f"| {split / tile:.2f}x |")
 
 
 def context_chunk_fp32(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g: torch.Generator,
@@ -127,8 +135,8 @@ def context_chunk_fp32(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g
 
 
 def context_chunk(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g: torch.Generator,
-                  repeats: int) -> tuple[float, float]:
-    """ms of the paged kernel and of the tiles for `rows` new tokens over `ctx` cached ones."""
+                  repeats: int) -> tuple[float, float, float]:
+    """ms of the paged kernel, the tiles and the split flash calls for `rows` new tokens over `ctx` cached ones."""
     bf16, scale, total = torch.bfloat16, D ** -0.5, ctx + rows
     nb = -(-total // BS)
     k_cache = torch.randn(nb + 4, Hkv, BS, D, generator=g).to(bf16)
@@ -140,7 +148,10 @@ def context_chunk(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g: tor
     paged = timed_ms(lambda: paged_kernel.paged_attention(q, k_cache, v_cache, table, seq, pos, scale), repeats)
     tile = timed_ms(lambda: tile_attention.tile_attention_(out, q, k_cache, v_cache, ints([0]), ints([rows]),
                                                            ints([ctx]), table, scale), repeats)
-    return paged, tile
+    own_k, own_v = (torch.randn(rows, Hkv, D, generator=g).to(bf16) for _ in range(2))
+    blocks = table[0, :-(-ctx // BS)].long()
+    split = timed_ms(lambda: split_attention(q, own_k, own_v, k_cache, v_cache, blocks, ctx, scale), repeats)
+    return paged, tile, split
 
 if __name__ == "__main__":
     main()
