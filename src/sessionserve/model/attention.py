@@ -221,8 +221,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    kp = k_cache[blocks].transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)[:, :, :start]
-    vp = v_cache[blocks].transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)[:, :, :start]
+    kp, vp = gather_context(k_cache, blocks, start).unsqueeze(0), gather_context(v_cache, blocks, start).unsqueeze(0)
     qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * n, head_dim)
     o1, lse1 = flash(qg, kp, vp, 0.0, False, scale=scale)  # (1, Hkv, g * n, D), (1, Hkv, g * n)
     own_k = k.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)  # (1, H, n, D)
@@ -243,10 +242,15 @@ def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       ctx_len: int, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's query rows (n, H, D), the last n positions of its first `ctx_len` cached tokens, which
     live in `blocks` (int64): the context gathered into (Hkv, ctx, D), then `causal_attention`."""
-    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    ks = k_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :ctx_len]
-    vs = v_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :ctx_len]
+    ks, vs = gather_context(k_cache, blocks, ctx_len), gather_context(v_cache, blocks, ctx_len)
     return causal_attention(q, ks, vs, scale, mask)
+
+
+def gather_context(cache: torch.Tensor, blocks: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """The first `ctx_len` tokens of a paged cache (NB, Hkv, BS, D) that `blocks` (int64) point at,
+    gathered into (Hkv, ctx_len, D)."""
+    num_kv_heads, head_dim = cache.shape[1], cache.shape[3]
+    return cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :ctx_len]
 
 
 def causal_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, scale: float,
