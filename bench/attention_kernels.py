@@ -13,10 +13,11 @@ from. Both bf16 tables also time PyTorch's CPU flash attention, which is what
 the engine takes instead of the tiles on CPUs with AMX: for fresh prefills it
 is the fused SDPA row, for context chunks `attention.split_attention` (one call
 over the cached prefix, one causal call over the chunk, merged by log-sum-exp;
-from `attention.SPLIT_MIN_ROWS` rows). In float32 (no tiles): the fresh prefills through SDPA (stacked, as one
-call) and through the engine's row-blocked GEMMs (`attention.causal_attention`),
-and the context chunks through the paged kernel and through the engine's
-gather + GEMM path: `attention.GEMM_GATHER_MIN_ROWS`.
+from `attention.SPLIT_MIN_ROWS` rows). In float32 (no tiles): the fresh
+prefills through SDPA (stacked, as one call) and through the engine's
+row-blocked GEMMs (`attention.causal_attention`), and the context chunks
+through the paged kernel and through the engine's gather + GEMM path:
+`attention.GEMM_GATHER_MIN_ROWS`.
 The bf16 tables need the AVX512-BF16 kernel; the fp32 one runs anywhere.
 Random inputs, median of `--repeats` timed calls after one warm-up.
 """

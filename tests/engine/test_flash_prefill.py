@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import CacheConfig, ModelConfig
 from sessionserve.model.attention import split_attention, uses_amx_attention
