@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -79,15 +80,17 @@ def main() -> None:
                             store_url=f"sqlite://{out / (name + '.db')}", router=router, replica_num_cpus=0)
         targets.append(serve.RunTarget(build_app(opts), name=name, route_prefix=f"/{name}"))
     serve.run_many(targets)
-    runs = {}
+    import httpx
+
+    runs, cpu = {}, {}
     try:
         for name in ("base", "ours"):
             url = f"http://127.0.0.1:{port}/{name}"
+            before = replicas_cpu_s(name)
             runs.update(run_http(trace, labels[name], loads, lambda url=url: HttpBackend(url, model="m",
                                                                                           seed=args.seed),
                                  seed=args.seed))
-            import httpx
-
+            cpu[labels[name]] = replicas_cpu_s(name) - before
             (out / f"{name}-router-stats.json").write_text(httpx.get(url + "/router/stats", timeout=30).text)
     finally:
         serve.shutdown()
@@ -96,14 +99,31 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": f"embedded llama {args.model_size}",
             "machine": _machine(), "backend": f"HTTP via Ray Serve, {args.replicas} replicas per app",
             "settings": {**engine, "loads": args.loads, "max_steps": args.max_steps, "seed": args.seed}}
-    summarize_runs(trace, runs, meta, labels, out)
+    summarize_runs(trace, runs, meta, labels, out, cpu)
 
 
 LABELS = {"base": "ray_default_router", "ours": "session_kv_router"}
 
 
-def summarize_runs(trace, runs, meta, labels, out: Path) -> None:
-    """Report, summary table and ratios of one comparison (the default router is the baseline)."""
+def replicas_cpu_s(app: str) -> float:
+    """CPU seconds (user + system) the engine replicas of Serve app `app` have used so far, read from /proc: the
+    cluster is local, and Ray names each replica's process `ray::ServeReplica:<app>:<deployment>`."""
+    from sessionserve.router.ray_app import ENGINE_DEPLOYMENT
+
+    title, total = f"ray::ServeReplica:{app}:{ENGINE_DEPLOYMENT}".encode(), 0.0
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(title):
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        except OSError:  # the process ended meanwhile
+            continue
+    return total
+
+
+def summarize_runs(trace, runs, meta, labels, out: Path, cpu_s: dict[str, float] | None = None) -> None:
+    """Report, summary table and ratios of one comparison (the default router is the baseline). `cpu_s`: per
+    label, the CPU seconds its engine replicas used during its run (a real cluster's only)."""
     from sessionserve.workload.report import fmt, write_report
     from sessionserve.workload.results import build_results
 
@@ -127,6 +147,12 @@ def summarize_runs(trace, runs, meta, labels, out: Path) -> None:
                  f"{ratio(b['ttft_p99_s'], o['ttft_p99_s'])} lower, sessions/h "
                  f"{ratio(o['sessions_per_hour'], b['sessions_per_hour'])} (sustained "
                  f"{ratio(o['sessions_per_hour_sustained'], b['sessions_per_hour_sustained'])})")
+    if cpu_s:
+        cb, co = (cpu_s[labels[k]] for k in ("base", "ours"))
+        n = len(trace.sessions)
+        lines.append(f"engine replicas' CPU: default {cb:.1f} s, ours {co:.1f} s ({cb / n:.2f} / {co / n:.2f} s per "
+                     f"session; ours uses {ratio(cb, co)} less)")
+        results["replicas_cpu_s"] = cpu_s
     summary = "\n".join(lines)
     (out / "summary.md").write_text(summary + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))

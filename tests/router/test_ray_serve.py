@@ -105,6 +105,13 @@ def test_affinity_holds_across_steps(cluster: Cluster) -> None:
     assert min(cached) > 0  # every later step found its history's KV where it went
     router = app.stats()["router"]
     assert router["affinity_hit_rate"] == 1.0 and router["num_session_requests"] == 12
+    # Each replica reports the time its engine stepped (wall and CPU), within its process's CPU time.
+    deadline = time.monotonic() + 10
+    live = app.stats()["replicas"]
+    while not all((r.get("engine_cpu_s") or 0) > 0 for r in live.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        live = app.stats()["replicas"]
+    assert all(0 < r["engine_cpu_s"] <= r["process_cpu_s"] and r["engine_busy_s"] > 0 for r in live.values()), live
 
 
 def _prefix_workload(app: App, tag: str, num_groups: int = 8, per_group: int = 3) -> int:

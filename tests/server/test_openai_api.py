@@ -232,6 +232,7 @@ def test_metrics_move_with_traffic(server: LiveServer) -> None:
     seconds = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("sessionserve_cpu_role_seconds{")}
     assert seconds['kind="busy",role="engine"'] > 0 and seconds['kind="busy",role="tokenize"'] > 0
+    assert 0 < seconds['kind="cpu",role="engine"'] <= seconds['kind="busy",role="engine"'] * 1.05
     assert 'sessionserve_cpu_role_busy_fraction{role="tokenize"}' in text
 
 

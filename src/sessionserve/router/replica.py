@@ -29,10 +29,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sessionserve.obs.cpu_roles import ENGINE
 from sessionserve.router.policy import RouteKey
 from sessionserve.router.store import SessionRecord, make_store
 
@@ -251,6 +253,8 @@ class EngineReplica:
 
         stats = await self.bridge.call(read)
         stats.update(vars(self.counters))
+        engine = self.app.state.ss.roles.snapshot()[ENGINE]  # seconds in steps with work: wall and CPU
+        stats.update(engine_busy_s=engine["busy_s"], engine_cpu_s=engine["cpu_s"], process_cpu_s=time.process_time())
         if self.engine.kv_store is not None:
             stats.update({f"kv_store_{k}": v for k, v in vars(self.engine.kv_store.stats).items()})
         stats["replica_id"] = self.replica_id

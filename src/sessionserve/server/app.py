@@ -113,9 +113,9 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
     metrics = Metrics(name)
     roles = CpuRoles()
 
-    def on_step(n: str, meter: RoleMeter) -> Callable[[LLMEngine, float], None]:
-        def sample(eng: LLMEngine, dt: float) -> None:
-            meter.record(dt)
+    def on_step(n: str, meter: RoleMeter) -> Callable[[LLMEngine, float, float], None]:
+        def sample(eng: LLMEngine, dt: float, cpu_s: float) -> None:
+            meter.record(dt, cpu_s)
             metrics.sample_engine(eng, dt, n)
         return sample
 

@@ -52,7 +52,7 @@ class AsyncEngine:
     """Runs `LLMEngine.step()` in a dedicated thread; thread-safe, awaitable API."""
 
     def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024, idle_tick_s: float = 0.02,
-                 on_step: Callable[[LLMEngine, float], None] | None = None,
+                 on_step: Callable[[LLMEngine, float, float], None] | None = None,
                  cpus: frozenset[int] | None = None) -> None:
         """`cpus`: cores the engine thread (and the compute threads it starts) is pinned to; None: any."""
         self.engine = engine
@@ -60,7 +60,7 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self._num_adding = 0  # requests whose `add` is queued for the engine thread (event-loop side)
         self.idle_tick_s = idle_tick_s
-        self.on_step = on_step  # metrics hook, called in the engine thread after each step
+        self.on_step = on_step  # metrics hook, called in the engine thread after each step: (engine, wall s, CPU s)
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -200,7 +200,7 @@ class AsyncEngine:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     cmd = None
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 outputs = eng.step()  # with nothing to run, this still ticks parked sessions
             except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
@@ -216,7 +216,7 @@ class AsyncEngine:
                     del self._streams[out.request_id]
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
             if self.on_step is not None and (outputs or busy):
-                self.on_step(eng, time.perf_counter() - t0)
+                self.on_step(eng, time.perf_counter() - t0, time.thread_time() - c0)
 
     def _fail_running(self, exc: Exception) -> None:
         eng = self.engine
