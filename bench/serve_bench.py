@@ -29,6 +29,7 @@ def add_serve_args(p: argparse.ArgumentParser, *, max_context: int, token_scale:
     p.add_argument("--model-size", default="small", choices=("tiny", "small"))
     p.add_argument("--device-kv-bytes", type=int, default=device_kv_bytes)
     p.add_argument("--host-kv-bytes", type=int, default=512 * MiB)
+    p.add_argument("--disk-kv-bytes", type=int, default=0, help="disk tier behind the host tier (0: none)")
     p.add_argument("--host-prefix-cache-bytes", type=int, default=0,
                    help="host memory for blocks the device prefix cache evicts (0: none)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
@@ -48,7 +49,8 @@ def load_bench_trace(args: argparse.Namespace) -> Any:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Each replica's engine options."""
     return {"kv_cache_bytes": args.device_kv_bytes, "host_kv_bytes": args.host_kv_bytes,
-            "num_threads": args.threads, "max_num_seqs": 32, "max_num_batched_tokens": 1024,
+            "disk_kv_bytes": args.disk_kv_bytes, "num_threads": args.threads, "max_num_seqs": 32,
+            "max_num_batched_tokens": 1024,
             "host_prefix_cache_bytes": args.host_prefix_cache_bytes}
 
 
