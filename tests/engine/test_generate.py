@@ -93,7 +93,7 @@ def test_penalties_survive_preemption_and_leave_no_state(tiny_llama: Path) -> No
     eng.add_request(ps[2], GREEDY)
     eng.step()  # the aborted requests' per-request sampling state goes with the next step
     runner = eng.runner
-    assert not runner._prompt_seen and not runner._generators
+    assert not runner._prompt_ids and not runner._generators
     while eng.has_unfinished():
         eng.step()
     assert_clean(tight)

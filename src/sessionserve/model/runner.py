@@ -104,7 +104,7 @@ class ModelRunner:
         self.amx_attention = uses_amx_attention(self.device, self.dtype)  # prefills: flash attention, not tiles
         self.gather_min_rows = gather_min_rows(self.device, self.dtype)  # context chunks this long gather
         self._generators: dict[str, tuple[Sequence, torch.Generator]] = {}
-        self._prompt_seen: dict[str, tuple[Sequence, torch.Tensor]] = {}  # repetition_penalty's prompt masks
+        self._prompt_ids: dict[str, tuple[Sequence, torch.Tensor]] = {}  # repetition_penalty's prompt token sets
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(model_config.seed)
         # Structured outputs: compiler built on first guided request; matcher state per request id.
@@ -119,7 +119,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
-        for per_request in (self._generators, self._prompt_seen, self._constraints):
+        for per_request in (self._generators, self._prompt_ids, self._constraints):
             if per_request:  # a finished or aborted request's state (and its Sequence) goes now, not on a later miss
                 _drop_finished(per_request)
         input_ids, positions, meta, logits_rows, sampled_seqs = self.prepare_batch(plan)
@@ -319,27 +319,25 @@ class ModelRunner:
         if seq.num_output_tokens < params.min_tokens and params.guided is None:
             banned = tuple(set(seq.eos_token_ids) | set(params.stop_token_ids))
         output_ids = seq.output_token_ids if params.has_penalties else None
-        prompt_seen = self._prompt_mask(seq) if params.repetition_penalty != 1.0 else None
+        prompt_ids = self._distinct_prompt_ids(seq) if params.repetition_penalty != 1.0 else None
         if params.is_greedy:
-            return SampleRow(params, None, banned, output_ids, prompt_seen)
+            return SampleRow(params, None, banned, output_ids, prompt_ids)
         if params.seed is None:
-            return SampleRow(params, self._default_generator, banned, output_ids, prompt_seen)
+            return SampleRow(params, self._default_generator, banned, output_ids, prompt_ids)
         entry = self._generators.get(seq.request_id)
         if entry is None or entry[0] is not seq:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
             entry = self._generators[seq.request_id] = (seq, gen)
-        return SampleRow(params, entry[1], banned, output_ids, prompt_seen)
+        return SampleRow(params, entry[1], banned, output_ids, prompt_ids)
 
-    def _prompt_mask(self, seq: Sequence) -> torch.Tensor:
-        """(V,) bool: which tokens the prompt holds; built once per request (a prompt may be 100k tokens)."""
-        entry = self._prompt_seen.get(seq.request_id)
+    def _distinct_prompt_ids(self, seq: Sequence) -> torch.Tensor:
+        """The prompt's distinct token ids (within the vocabulary); found once per request (a prompt may be 100k
+        tokens)."""
+        entry = self._prompt_ids.get(seq.request_id)
         if entry is None or entry[0] is not seq:
-            vocab = self.arch.vocab_size
             ids = torch.tensor(seq.token_ids[:seq.num_prompt_tokens], dtype=torch.long, device=self.device)
-            mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-            mask[ids[ids < vocab]] = True
-            entry = self._prompt_seen[seq.request_id] = (seq, mask)
+            entry = self._prompt_ids[seq.request_id] = (seq, torch.unique(ids[ids < self.arch.vocab_size]))
         return entry[1]
 
     @property

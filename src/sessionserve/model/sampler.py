@@ -17,30 +17,29 @@ class SampleRow:
     generator: torch.Generator | None  # per-request stream when a seed was given
     banned: tuple[int, ...] = ()  # e.g. EOS before min_tokens
     output_ids: list[int] | None = None  # tokens generated so far; set when the params penalize repeats
-    prompt_seen: torch.Tensor | None = None  # (V,) bool: the prompt's tokens, for repetition_penalty
+    prompt_ids: torch.Tensor | None = None  # the prompt's distinct token ids (int64), for repetition_penalty
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
-                    prompt_seen: torch.Tensor | None) -> None:
+                    prompt_ids: torch.Tensor | None) -> None:
     """Edit one row of logits (V,) in place: repetition (prompt and output), then frequency and presence (output).
 
     The semantics of vLLM (and HF's `repetition_penalty`): a seen token's
     positive logit is divided by the repetition penalty, a negative one
     multiplied; OpenAI's frequency penalty is subtracted once per time a token
     was generated, the presence penalty once if it was generated at all.
+    Only the seen tokens' logits are read and written (`prompt_ids`: the
+    prompt's distinct ids), not the whole vocabulary.
     """
-    vocab = logits.shape[-1]
     ids = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
-    counts = torch.bincount(ids, minlength=vocab)[:vocab]  # (V,)
+    generated, counts = torch.unique(ids, return_counts=True)
     if params.repetition_penalty != 1.0:
-        seen = counts > 0
-        if prompt_seen is not None:
-            seen |= prompt_seen
-        r = params.repetition_penalty
-        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits))
-    if params.frequency_penalty or params.presence_penalty:
-        counts = counts.to(logits.dtype)
-        logits.sub_(counts * params.frequency_penalty + (counts > 0).to(logits.dtype) * params.presence_penalty)
+        seen = generated if prompt_ids is None else \
+            torch.cat((prompt_ids, generated[~torch.isin(generated, prompt_ids)]))
+        vals, r = logits[seen], params.repetition_penalty
+        logits[seen] = torch.where(vals > 0, vals / r, vals * r)
+    if (params.frequency_penalty or params.presence_penalty) and generated.numel():
+        logits[generated] -= counts.to(logits.dtype) * params.frequency_penalty + params.presence_penalty
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -77,7 +76,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], *, in_place: bool = Fals
                 vals = torch.tensor(list(r.params.logit_bias.values()), device=logits.device, dtype=logits.dtype)
                 logits[i].index_add_(0, ids, vals)
             if r.output_ids is not None:
-                apply_penalties(logits[i], r.params, r.output_ids, r.prompt_seen)
+                apply_penalties(logits[i], r.params, r.output_ids, r.prompt_ids)
             if r.banned:
                 logits[i, list(r.banned)] = float("-inf")
     out = logits.argmax(dim=-1)

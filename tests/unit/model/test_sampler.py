@@ -36,11 +36,9 @@ def test_presence_and_frequency_follow_openai(presence: float, frequency: float)
 def test_repetition_penalty_equals_hf_over_prompt_and_output(penalty: float) -> None:
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(V, generator=g) * 3
-    prompt, output = [1, 2, 2, 9, 30], [9, 11, 44]
-    seen = torch.zeros(V, dtype=torch.bool)
-    seen[prompt] = True
+    prompt, output = [1, 2, 2, 9, 30], [9, 11, 44, 11]  # 9 in both, 11 twice: each penalized once
     got = logits.clone()
-    apply_penalties(got, SamplingParams(repetition_penalty=penalty), output, seen)
+    apply_penalties(got, SamplingParams(repetition_penalty=penalty), output, torch.tensor([1, 2, 9, 30]))
     hf = transformers.RepetitionPenaltyLogitsProcessor(penalty)
     want = hf(torch.tensor([prompt + output]), logits.clone()[None])[0]
     torch.testing.assert_close(got, want)
@@ -48,10 +46,14 @@ def test_repetition_penalty_equals_hf_over_prompt_and_output(penalty: float) -> 
 
 def test_no_output_yet_penalizes_only_the_prompt() -> None:
     logits = torch.ones(V)
-    seen = torch.zeros(V, dtype=torch.bool)
-    seen[4] = True
-    apply_penalties(logits, SamplingParams(repetition_penalty=2.0, presence_penalty=1.0), [], seen)
+    apply_penalties(logits, SamplingParams(repetition_penalty=2.0, presence_penalty=1.0), [], torch.tensor([4]))
     assert logits[4] == 0.5 and logits[5] == 1.0 and (logits == 1.0).sum() == V - 1
+
+
+def test_repetition_without_a_prompt_set_penalizes_the_output_only() -> None:
+    logits = torch.full((V,), -1.0)
+    apply_penalties(logits, SamplingParams(repetition_penalty=3.0), [5, 5, 6], None)
+    assert logits[5] == logits[6] == -3.0 and (logits == -1.0).sum() == V - 2
 
 
 def test_greedy_sample_takes_the_penalized_logits() -> None:
