@@ -253,7 +253,7 @@ class EngineReplica:
 
         stats = await self.bridge.call(read)
         stats.update(vars(self.counters))
-        engine = self.app.state.ss.roles.snapshot()[ENGINE]  # seconds in steps with work: wall and CPU
+        engine = self.app.state.ss.roles.snapshot()[ENGINE]  # in steps with work: wall s, the engine thread's CPU s
         stats.update(engine_busy_s=engine["busy_s"], engine_cpu_s=engine["cpu_s"], process_cpu_s=time.process_time())
         if self.engine.kv_store is not None:
             stats.update({f"kv_store_{k}": v for k, v in vars(self.engine.kv_store.stats).items()})

@@ -60,7 +60,9 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self._num_adding = 0  # requests whose `add` is queued for the engine thread (event-loop side)
         self.idle_tick_s = idle_tick_s
-        self.on_step = on_step  # metrics hook, called in the engine thread after each step: (engine, wall s, CPU s)
+        # Metrics hook, called in the engine thread after each step: (engine, wall s, the engine thread's CPU s;
+        # with more than one torch thread the other compute threads' CPU is not in it).
+        self.on_step = on_step
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
