@@ -25,29 +25,19 @@ Random inputs, median of `--repeats` timed calls after one warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
 
+from bench.timing import timed_ms
 from sessionserve.model import paged_kernel, tile_attention
 from sessionserve.model.attention import causal_attention, context_attention, split_attention, uses_amx_attention
-
-
-def timed_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def ints(values: list[int]) -> torch.Tensor:

@@ -13,15 +13,16 @@ timed calls after one warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
 
+from bench.timing import timed_ms
 from sessionserve import SamplingParams
 from sessionserve.model.sampler import SampleRow, sample
 
@@ -47,16 +48,6 @@ def dense_sample(logits: torch.Tensor, params: SamplingParams, outputs: list[lis
     return logits.argmax(dim=-1)
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
@@ -77,9 +68,9 @@ def main() -> None:
         want = dense_sample(a, params, outputs, masks)
         got = sample(b, sample_rows, in_place=True)
         assert torch.equal(a, b) and torch.equal(want, got), "the two paths disagree"
-        t_dense = timed(lambda: dense_sample(logits.clone(), params, outputs, masks), args.repeats)
-        t_ours = timed(lambda: sample(logits.clone(), sample_rows, in_place=True), args.repeats)
-        print(f"| {vocab:,} | {rows} | {out_len} | {t_dense * 1e3:.2f} | {t_ours * 1e3:.2f} | "
+        t_dense = timed_ms(lambda: dense_sample(logits.clone(), params, outputs, masks), args.repeats)
+        t_ours = timed_ms(lambda: sample(logits.clone(), sample_rows, in_place=True), args.repeats)
+        print(f"| {vocab:,} | {rows} | {out_len} | {t_dense:.2f} | {t_ours:.2f} | "
               f"{t_dense / t_ours:.2f}x |")
 
 
