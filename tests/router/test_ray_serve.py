@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -112,6 +112,31 @@ def test_affinity_holds_across_steps(cluster: Cluster) -> None:
         time.sleep(0.2)
         live = app.stats()["replicas"]
     assert all(0 < r["engine_cpu_s"] <= r["process_cpu_s"] and r["engine_busy_s"] > 0 for r in live.values()), live
+
+
+def test_a_copy_left_behind_is_closed_and_the_session_goes_on(cluster: Cluster) -> None:
+    """A replica closes its parked copy of a session the store gives to another replica (as a rebalance or a
+    failover does) and of one deleted through another replica; the moved session's next turn still commits."""
+    app = cluster.ours
+    moved, deleted = "default/stale-moved", "default/stale-deleted"
+    history = {k: [{"role": "user", "content": f"{k}: name a river."}] for k in (moved, deleted)}
+    replies = {k: app.chat(h, session=k.split("/")[1]) for k, h in history.items()}
+    owner = app.store.get(moved).owner
+    other = next(r for r in app.stats()["replicas"] if r != owner)
+    rec = app.store.get(moved)
+    assert app.store.put(replace(rec, owner=other)) is not None
+    app.store.delete(deleted)
+    deadline = time.monotonic() + 30
+    closed = 0
+    while time.monotonic() < deadline:
+        closed = sum(r.get("num_stale_copies_closed", 0) for r in app.stats()["replicas"].values())
+        if closed >= 2:
+            break
+        time.sleep(0.5)
+    assert closed >= 2
+    reply = app.chat(_turn(history[moved], replies[moved], "And another?"), session="stale-moved")
+    assert reply["choices"][0]["message"]["content"]
+    assert app.store.get(moved).version == rec.version + 2  # the takeover, then the turn: none lost or doubled
 
 
 def _prefix_workload(app: App, tag: str, num_groups: int = 8, per_group: int = 3) -> int:

@@ -18,7 +18,10 @@ A session this replica does not hold continues from what the client sends
 (`kv_store_dir`, one all replicas reach) its history's KV is read from there,
 since every replica writes its finished turns' blocks through; otherwise, or
 for what the folder lacks, the history is prefilled again here
-(`num_tokens_recomputed`). Draining (`__del__`, which Serve calls on
+(`num_tokens_recomputed`). The copy a session left behind is closed by a
+periodic sweep once the store names another owner, or no longer holds a
+session this replica stored (deleted through its new owner): it would
+otherwise keep KV the live sessions need. Draining (`__del__`, which Serve calls on
 scale-down after in-flight requests finish) writes out what is queued for the
 shared folder and releases this replica's sessions in the store, so their
 next turns route as new.
@@ -30,6 +33,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -42,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 TURN_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_BUSY_RETRIES = 3  # a turn that finds its session's KV mid-move is run again this many times
+STALE_SWEEP_PERIOD_S = 5.0  # how often a replica looks for its copies of sessions that live elsewhere now
 
 
 def _has_output(chunk: bytes) -> bool:
@@ -80,6 +85,7 @@ class ReplicaCounters:
     num_store_conflicts: int = 0  # turns that lost the compare-and-set
     num_busy_retries: int = 0  # turns run again because the session's KV was mid-move
     num_sessions_released: int = 0  # sessions handed back on drain
+    num_stale_copies_closed: int = 0  # copies of sessions another replica took over, or the client deleted
 
 
 async def asgi_call(app: Any, req: RoutedRequest) -> AsyncIterator[dict[str, Any]]:
@@ -137,9 +143,27 @@ class EngineReplica:
         self.bridge.start()  # the app's lifespan does this under uvicorn; here no server runs it
         self.store = make_store(options.store_url)
         self.counters = ReplicaCounters()
+        self._requests: Counter[str] = Counter()  # session key -> its requests in progress here
+        self._stored: set[str] = set()  # session keys this replica has written to the store
+        self._sweeper: asyncio.Task | None = None  # started by the first request (the replica's loop runs then)
 
     async def forward(self, req: RoutedRequest) -> AsyncIterator[Any]:
         """Yield {"status", "headers"} then body chunks (bytes)."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep_stale_copies())
+        key = req.session_key
+        if key:
+            self._requests[key] += 1
+        try:
+            async for item in self._forward(req):
+                yield item
+        finally:
+            if key:
+                self._requests[key] -= 1
+                if self._requests[key] <= 0:
+                    del self._requests[key]
+
+    async def _forward(self, req: RoutedRequest) -> AsyncIterator[Any]:
         key = req.session_key if req.path in TURN_PATHS and req.method == "POST" else None
         before = self.store.get(key) if key else None
         if before is not None and not req.is_stream and req.turn_hash and \
@@ -213,6 +237,7 @@ class EngineReplica:
         """Bring the store up to date after a successful request. Returns True on a CAS conflict."""
         if req.method == "DELETE" and req.session_key and req.path.startswith("/v1/sessions/"):
             self.store.delete(req.session_key)
+            self._stored.discard(req.session_key)
             return False
         if req.method == "POST" and req.path == "/v1/sessions" and req.session_key:
             key, before = req.session_key, self.store.get(req.session_key)
@@ -238,9 +263,47 @@ class EngineReplica:
             self.counters.num_store_conflicts += 1
             logger.warning("session %s advanced elsewhere during a turn on %s", key, self.replica_id)
             return True
+        self._stored.add(key)
         if req.path in TURN_PATHS:
             self.counters.num_turns += 1
         return False
+
+    async def _sweep_stale_copies(self) -> None:
+        while True:
+            await asyncio.sleep(STALE_SWEEP_PERIOD_S)
+            try:
+                await self._close_stale_copies()
+            except Exception:  # noqa: BLE001 - a store hiccup must not end the sweeps
+                logger.exception("sweep for stale session copies failed")
+
+    async def _close_stale_copies(self) -> None:
+        """Close this replica's parked copies of sessions that another replica has taken over (rebalanced, or
+        continued after a failover) or that the client deleted there: the store no longer names this replica, and
+        the copy would hold device blocks and host/disk space until the idle TTL. A session with a request in
+        progress here is left alone; a closed copy's blocks stay in the prefix cache until they are reused."""
+        def parked(eng: Any) -> list[str]:
+            return [s.session_id for s in eng.sessions if s.state.value == "parked"]
+
+        stale = []
+        for key in await self.bridge.call(parked):
+            if key in self._requests:
+                continue
+            rec = self.store.get(key)
+            if (rec is None and key in self._stored) or (rec is not None and rec.owner not in (None, self.replica_id)):
+                stale.append(key)
+        if not stale:
+            return
+
+        def close(eng: Any) -> int:
+            n = 0
+            for key in stale:
+                s = eng.get_session(key)
+                if s is not None and s.state.value == "parked" and key not in self._requests:
+                    n += eng.close_session(key)
+            return n
+
+        self.counters.num_stale_copies_closed += await self.bridge.call(close)
+        self._stored.difference_update(stale)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What the router weighs (free KV blocks, parked sessions) and this replica's counters."""
@@ -265,6 +328,8 @@ class EngineReplica:
 
     async def __del__(self) -> None:
         """Drain on scale-down: Serve has let in-flight requests finish; hand the sessions back."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         try:
             if self.engine.kv_store is not None:
                 await asyncio.to_thread(self.engine.kv_store.flush, 10.0)
