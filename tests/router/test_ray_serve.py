@@ -20,6 +20,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from sessionserve.router.ray_app import ServeOptions, build_app
+from sessionserve.router.replica import STALE_SWEEP_PERIOD_S
 from sessionserve.router.store import SQLiteStore
 from tests.server.conftest import free_port, wait_healthy
 
@@ -114,29 +115,32 @@ def test_affinity_holds_across_steps(cluster: Cluster) -> None:
     assert all(0 < r["engine_cpu_s"] <= r["process_cpu_s"] and r["engine_busy_s"] > 0 for r in live.values()), live
 
 
-def test_a_copy_left_behind_is_closed_and_the_session_goes_on(cluster: Cluster) -> None:
-    """A replica closes its parked copy of a session the store gives to another replica (as a rebalance or a
-    failover does) and of one deleted through another replica; the moved session's next turn still commits."""
+def test_a_copy_left_behind_is_closed_when_the_session_is_deleted(cluster: Cluster) -> None:
+    """A replica closes its parked copy of a session deleted through another replica; the copy of a session the
+    store gives to another replica (as a rebalance or a failover does) is kept, and that session goes on."""
     app = cluster.ours
     moved, deleted = "default/stale-moved", "default/stale-deleted"
     history = {k: [{"role": "user", "content": f"{k}: name a river."}] for k in (moved, deleted)}
     replies = {k: app.chat(h, session=k.split("/")[1]) for k, h in history.items()}
-    owner = app.store.get(moved).owner
-    other = next(r for r in app.stats()["replicas"] if r != owner)
     rec = app.store.get(moved)
+    other = next(r for r in app.stats()["replicas"] if r != rec.owner)
+    before = sum(r.get("num_stale_copies_closed", 0) for r in app.stats()["replicas"].values())
     assert app.store.put(replace(rec, owner=other)) is not None
-    app.store.delete(deleted)
+    assert app.store.delete(deleted)
     deadline = time.monotonic() + 30
     closed = 0
     while time.monotonic() < deadline:
-        closed = sum(r.get("num_stale_copies_closed", 0) for r in app.stats()["replicas"].values())
-        if closed >= 2:
+        closed = sum(r.get("num_stale_copies_closed", 0) for r in app.stats()["replicas"].values()) - before
+        if closed:
             break
         time.sleep(0.5)
-    assert closed >= 2
+    time.sleep(STALE_SWEEP_PERIOD_S + 1)  # every replica has swept since both changes
+    closed = sum(r.get("num_stale_copies_closed", 0) for r in app.stats()["replicas"].values()) - before
+    assert closed == 1  # the deleted session's copy only
     reply = app.chat(_turn(history[moved], replies[moved], "And another?"), session="stale-moved")
     assert reply["choices"][0]["message"]["content"]
     assert app.store.get(moved).version == rec.version + 2  # the takeover, then the turn: none lost or doubled
+    assert app.store.get(deleted) is None
 
 
 def _prefix_workload(app: App, tag: str, num_groups: int = 8, per_group: int = 3) -> int:

@@ -18,10 +18,9 @@ A session this replica does not hold continues from what the client sends
 (`kv_store_dir`, one all replicas reach) its history's KV is read from there,
 since every replica writes its finished turns' blocks through; otherwise, or
 for what the folder lacks, the history is prefilled again here
-(`num_tokens_recomputed`). The copy a session left behind is closed by a
-periodic sweep once the store names another owner, or no longer holds a
-session this replica stored (deleted through its new owner): it would
-otherwise keep KV the live sessions need. Draining (`__del__`, which Serve calls on
+(`num_tokens_recomputed`). The copy a session left behind on a replica it moved
+from is closed by a periodic sweep once the client deletes the session (the
+store no longer holds it), instead of holding KV until the idle TTL. Draining (`__del__`, which Serve calls on
 scale-down after in-flight requests finish) writes out what is queued for the
 shared folder and releases this replica's sessions in the store, so their
 next turns route as new.
@@ -85,7 +84,7 @@ class ReplicaCounters:
     num_store_conflicts: int = 0  # turns that lost the compare-and-set
     num_busy_retries: int = 0  # turns run again because the session's KV was mid-move
     num_sessions_released: int = 0  # sessions handed back on drain
-    num_stale_copies_closed: int = 0  # copies of sessions another replica took over, or the client deleted
+    num_stale_copies_closed: int = 0  # parked copies of sessions the client deleted through another replica
 
 
 async def asgi_call(app: Any, req: RoutedRequest) -> AsyncIterator[dict[str, Any]]:
@@ -277,20 +276,19 @@ class EngineReplica:
                 logger.exception("sweep for stale session copies failed")
 
     async def _close_stale_copies(self) -> None:
-        """Close this replica's parked copies of sessions that another replica has taken over (rebalanced, or
-        continued after a failover) or that the client deleted there: the store no longer names this replica, and
-        the copy would hold device blocks and host/disk space until the idle TTL. A session with a request in
-        progress here is left alone; a closed copy's blocks stay in the prefix cache until they are reused."""
-        def parked(eng: Any) -> list[str]:
-            return [s.session_id for s in eng.sessions if s.state.value == "parked"]
+        """Close this replica's parked copies of sessions the client deleted through another replica (the store
+        no longer holds a session this replica stored): they would hold device blocks and host/disk space until
+        the idle TTL. A copy of a session that merely moved is kept: the residency policy weighs it like any
+        parked session, and it is a cached prefix if the session comes back. A session with a request in
+        progress here is left alone."""
+        def held(eng: Any) -> tuple[set[str], list[str]]:
+            sessions = list(eng.sessions)
+            return {s.session_id for s in sessions}, [s.session_id for s in sessions if s.state.value == "parked"]
 
-        stale = []
-        for key in await self.bridge.call(parked):
-            if key in self._requests:
-                continue
-            rec = self.store.get(key)
-            if (rec is None and key in self._stored) or (rec is not None and rec.owner not in (None, self.replica_id)):
-                stale.append(key)
+        alive, parked = await self.bridge.call(held)
+        self._stored &= alive | set(self._requests)  # forget sessions this engine no longer holds (closed, expired)
+        stale = [key for key in parked
+                 if key in self._stored and key not in self._requests and self.store.get(key) is None]
         if not stale:
             return
 
