@@ -18,10 +18,11 @@ A session this replica does not hold continues from what the client sends
 (`kv_store_dir`, one all replicas reach) its history's KV is read from there,
 since every replica writes its finished turns' blocks through; otherwise, or
 for what the folder lacks, the history is prefilled again here
-(`num_tokens_recomputed`). The copy a session left behind on a replica it moved
-from is closed by a periodic sweep once the client deletes the session (the
-store no longer holds it), instead of holding KV until the idle TTL. Draining (`__del__`, which Serve calls on
-scale-down after in-flight requests finish) writes out what is queued for the
+(`num_tokens_recomputed`). The copy a session left behind on a replica it
+moved from is closed by a periodic sweep once the client deletes the session
+(the store no longer holds it), instead of holding KV until the idle TTL.
+Draining (`__del__`, which Serve calls on scale-down after in-flight requests
+finish) writes out what is queued for the
 shared folder and releases this replica's sessions in the store, so their
 next turns route as new.
 """
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 TURN_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_BUSY_RETRIES = 3  # a turn that finds its session's KV mid-move is run again this many times
-STALE_SWEEP_PERIOD_S = 5.0  # how often a replica looks for its copies of sessions that live elsewhere now
+STALE_SWEEP_PERIOD_S = 5.0  # how often a replica looks for its copies of sessions deleted elsewhere
 
 
 def _has_output(chunk: bytes) -> bool:
