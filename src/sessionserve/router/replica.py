@@ -22,9 +22,8 @@ for what the folder lacks, the history is prefilled again here
 moved from is closed by a periodic sweep once the client deletes the session
 (the store no longer holds it), instead of holding KV until the idle TTL.
 Draining (`__del__`, which Serve calls on scale-down after in-flight requests
-finish) writes out what is queued for the
-shared folder and releases this replica's sessions in the store, so their
-next turns route as new.
+finish) writes out what is queued for the shared folder and releases this
+replica's sessions in the store, so their next turns route as new.
 """
 
 from __future__ import annotations
