@@ -38,7 +38,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids: li
             torch.cat((prompt_ids, generated[~torch.isin(generated, prompt_ids)]))
         vals, r = logits[seen], params.repetition_penalty
         logits[seen] = torch.where(vals > 0, vals / r, vals * r)
-    if (params.frequency_penalty or params.presence_penalty) and generated.numel():
+    if params.frequency_penalty or params.presence_penalty:
         logits[generated] -= counts.to(logits.dtype) * params.frequency_penalty + params.presence_penalty
 
 

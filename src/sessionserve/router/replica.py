@@ -287,8 +287,11 @@ class EngineReplica:
 
         alive, parked = await self.bridge.call(held)
         self._stored &= alive | set(self._requests)  # forget sessions this engine no longer holds (closed, expired)
-        stale = [key for key in parked
-                 if key in self._stored and key not in self._requests and self.store.get(key) is None]
+        candidates = [key for key in parked if key in self._stored and key not in self._requests]
+        if not candidates:
+            return
+        # One store read per candidate, off the event loop (a remote store answers each over the network).
+        stale = await asyncio.to_thread(lambda: [key for key in candidates if self.store.get(key) is None])
         if not stale:
             return
 
