@@ -17,10 +17,12 @@ pass of silu_and_mul over it disappear (M = 2048, 768 -> 2 x 3072, 2
 threads: 93-95 ms vs 105-108 in float32).
 
 A GEMM of fewer than `MIN_GEMM_ROWS` rows (a decode step of one to three
-sequences) runs as that many rows, zeros below: oneDNN's kernels for 1-3 rows
-read the weight slower than its 4-row one, and with so few rows reading the
-weight is the whole cost (the small model's linears on one AVX-512 EPYC core,
-float32, M = 1/2/3/4: 34/43/32/30 ms; bfloat16 19/23/18/16 ms).
+sequences) gets zero rows appended up to that many: on one thread oneDNN's
+kernels for 1-3 rows read the weight slower than its 4-row one, and with so
+few rows reading the weight is the whole cost (bench/linear_rows.py, the
+small model's linears on one AVX-512 EPYC core, float32, M = 1/2/3/4:
+38/41/31/28 ms as is, 27-30 ms padded; bfloat16 17/19/16/16 vs 15-16 ms).
+With two threads there is no such gap, and the padding costs nothing there.
 """
 
 from __future__ import annotations
