@@ -21,7 +21,8 @@ sequences) gets zero rows appended up to that many: on one thread oneDNN's
 kernels for 1-3 rows read the weight slower than its 4-row one, and with so
 few rows reading the weight is the whole cost (bench/linear_rows.py, the
 small model's linears on one AVX-512 EPYC core, float32, M = 1/2/3/4:
-38/41/31/28 ms as is, 27-30 ms padded; bfloat16 17/19/16/16 vs 15-16 ms).
+31-34/38-39/27/24 ms as is, 24-26 ms padded; bfloat16 17/20/15-16/14 ms as
+is, 15-19 ms padded).
 With two threads there is no such gap, and the padding costs nothing there.
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sessionserve.model.layers import SiluGateUp
@@ -44,9 +46,7 @@ def _at_least_min_rows(x: torch.Tensor) -> torch.Tensor:
     """`x` (rows, in), with zero rows appended up to MIN_GEMM_ROWS; the caller keeps the first rows of the result."""
     if x.dim() != 2 or x.shape[0] >= MIN_GEMM_ROWS:
         return x
-    padded = x.new_zeros(MIN_GEMM_ROWS, x.shape[1])
-    padded[:x.shape[0]] = x
-    return padded
+    return F.pad(x, (0, 0, 0, MIN_GEMM_ROWS - x.shape[0]))
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
