@@ -14,7 +14,7 @@ import pytest
 
 from sessionserve import LLMEngine, SamplingParams
 from sessionserve.config import Config
-from sessionserve.server.chat import continue_session
+from sessionserve.server.turn.continuation import continue_session
 from tests.engine.test_sessions import run_to_end
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

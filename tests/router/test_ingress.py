@@ -19,7 +19,7 @@ from sessionserve.router.ray_app import ServeOptions
 from sessionserve.router.replica import RoutedRequest, asgi_call
 from sessionserve.router.store import SessionRecord
 from sessionserve.server.auth import tenant_salt
-from sessionserve.server.chat import render_chat
+from sessionserve.server.turn.render import render_chat
 
 
 @pytest.fixture
@@ -98,7 +98,12 @@ def test_busy_retry_detects_only_a_moving_session_before_output() -> None:
     token = b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n'
     busy = (b'data: {"error": {"message": "session \'t/s\' is being moved; retry", "code": "session_busy"}}\n\n'
             b"data: [DONE]\n\n")
-    assert not _has_output(role) and _has_output(token) and not _has_output(busy)
+    chat = "/v1/chat/completions"
+    assert not _has_output(chat, role) and _has_output(chat, token) and not _has_output(chat, busy)
+    assert _has_output("/v1/responses", b'event: response.output_item.added\ndata: {}\n\n')
+    assert not _has_output("/v1/responses", b'event: response.created\ndata: {}\n\n')
+    assert _has_output("/v1/messages", b'event: content_block_start\ndata: {}\n\n')
+    assert not _has_output("/v1/messages", b'event: message_start\ndata: {}\n\n')
     assert _is_moving_busy(200, role + busy) and _is_moving_busy(409, busy)
     assert not _is_moving_busy(409, b'{"error": {"message": "already has a turn running", "code": "session_busy"}}')
     assert not _is_moving_busy(500, busy)

@@ -12,7 +12,9 @@ import pytest
 from sessionserve import LLMEngine
 from sessionserve.config import Config
 from sessionserve.router.model_route import ModelRoutePolicy
-from sessionserve.server import routes_openai
+from sessionserve.server.turn import model_choice
+from sessionserve.server.turn import pipeline as turn_pipeline
+from sessionserve.server.turn.types import ToolCall
 from sessionserve.server.app import create_app
 from sessionserve.server.auth import Auth
 from tests.server.conftest import KEYS, run_app
@@ -133,7 +135,7 @@ def test_an_invalid_small_answer_escalates_to_the_large_model(
         two_models: tuple[str, dict[str, LLMEngine]], monkeypatch: pytest.MonkeyPatch) -> None:
     url, _ = two_models
     before = _metric(url, "sessionserve_route_escalations")
-    monkeypatch.setattr(routes_openai, "_answer_problem", lambda *a: "invalid tool call: 'read_file' is missing path")
+    monkeypatch.setattr(turn_pipeline, "answer_problem", lambda *a: "invalid tool call: 'read_file' is missing path")
     msgs = _tool_step([SYSTEM, {"role": "user", "content": "look at a.py"}], "print('hi')")
     headers = {**AUTH, "X-Session-ID": "escalating"}
     r = httpx.post(url + "/v1/chat/completions", headers=headers, timeout=120,
@@ -152,16 +154,16 @@ def test_an_invalid_small_answer_escalates_to_the_large_model(
 
 def test_answer_problem_reasons() -> None:
     tools = [t["function"] for t in TOOLS]
-    call = {"function": {"name": "read_file", "arguments": '{"path": "a"}'}}
-    assert routes_openai._answer_problem("", None, [call], tools, "auto") is None
-    bad = {"function": {"name": "read_file", "arguments": "{}"}}
-    assert "missing path" in routes_openai._answer_problem("", None, [bad], tools, "auto")
-    other = {"function": {"name": "rm", "arguments": "{}"}}
-    assert "not offered" in routes_openai._answer_problem("", None, [other], tools, "auto")
-    assert routes_openai._answer_problem("<tool_call>{oops", "<tool_call>{oops", [], tools, "auto") \
+    call = ToolCall("call_1", "read_file", '{"path": "a"}')
+    assert model_choice.answer_problem("", None, [call], tools, "auto") is None
+    bad = ToolCall("call_2", "read_file", "{}")
+    assert "missing path" in model_choice.answer_problem("", None, [bad], tools, "auto")
+    other = ToolCall("call_3", "rm", "{}")
+    assert "not offered" in model_choice.answer_problem("", None, [other], tools, "auto")
+    assert model_choice.answer_problem("<tool_call>{oops", "<tool_call>{oops", [], tools, "auto") \
         == "malformed tool call"
-    assert routes_openai._answer_problem("hello", "hello", [], tools, "required") == "no tool call"
-    assert routes_openai._answer_problem("hello", "hello", [], tools, "auto") is None
+    assert model_choice.answer_problem("hello", "hello", [], tools, "required") == "no tool call"
+    assert model_choice.answer_problem("hello", "hello", [], tools, "auto") is None
 
 
 def test_create_app_checks_names_and_route() -> None:

@@ -8,7 +8,7 @@ id. No torch and no clock: `now_s` comes in with every call.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 
 from sessionserve.cache.kv_manager import KVCacheManager
@@ -70,6 +70,9 @@ class SessionManager:
         # sessions go idle): sessions are scanned for expiry only once it is older than the TTL.
         self._oldest_idle_s: float | None = None
         self._entries = ParkedEntries(kv, self.predictor)  # the residency view's sessions
+        # Called with the id of each session that closes (deleted, expired or evicted), after it is gone:
+        # layers above that keep notes per session (the server's transcripts) forget them.
+        self.on_close: list[Callable[[str], None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -227,6 +230,8 @@ class SessionManager:
         self._pending_restore.pop(session_id, None)
         self._dropped_tokens.pop(session_id, None)
         session.residency = Residency.NONE
+        for fn in self.on_close:
+            fn(session_id)
         return True
 
     # -- the periodic part -------------------------------------------------------------------

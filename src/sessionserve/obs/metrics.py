@@ -66,6 +66,11 @@ class Metrics:
         self.role_seconds = Gauge("sessionserve_cpu_role_seconds", "Seconds a CPU role's threads spent working "
                                   "(wall) and their CPU time, since start", ["role", "kind"], registry=r)
         self.role_threads = Gauge("sessionserve_cpu_role_threads", "Threads of a CPU role", ["role"], registry=r)
+        self.continuations = Counter(
+            "sessionserve_session_continuations", "Chat turns by how their prompt continued a session: exact (the "
+            "conversation the session holds matched; only the new messages were tokenized and sent, the model's own "
+            "reply tokens kept), prefix (re-rendered and cut to the longest common prefix), new, none (no session)",
+            labels + ["how"], registry=r)
         self.route_steps = Counter("sessionserve_route_steps", "Chat steps of model 'auto' by the model that ran "
                                    "them and why", ["routed_to", "reason"], registry=r)
         self.route_escalations = Counter("sessionserve_route_escalations",

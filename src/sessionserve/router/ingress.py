@@ -53,6 +53,7 @@ class Ingress:
         from sessionserve.llm import resolve_model_path
         from sessionserve.model.tokenizer import Tokenizer
         from sessionserve.router.store import make_store
+        from sessionserve.server.response_store import make_response_store
         from sessionserve.server.auth import Auth
 
         self.engine = engine
@@ -61,6 +62,7 @@ class Ingress:
         self.tokenizer = Tokenizer(resolve_model_path(options.model))
         self.block_size = Config.from_kwargs(**options.engine_kwargs).cache.block_size
         self.store = make_store(options.store_url)
+        self.responses = make_response_store(options.store_url)
         self.max_attempts = options.max_attempts
         self.num_streams_resumed = 0  # streams continued on another replica after theirs died mid-stream
 
@@ -68,11 +70,12 @@ class Ingress:
 
     def route_of(self, method: str, path: str, headers: dict[str, str], body: bytes) -> RoutedRequest:
         from sessionserve.server.auth import tenant_salt
-        from sessionserve.server.chat import render_chat
         from sessionserve.server.protocol import valid_session_id
-        from sessionserve.server.routes_openai import session_key
+        from sessionserve.server.route_hint import route_hint
+        from sessionserve.server.turn.identity import session_key
 
-        tenant = self.auth.tenant_for(headers.get("authorization")) or "default"
+        key = headers.get("x-api-key")
+        tenant = self.auth.tenant_for(headers.get("authorization") or (key and f"Bearer {key}")) or "default"
         raw_headers = tuple((k.encode(), v.encode()) for k, v in headers.items())
         base = RoutedRequest(method, path, b"", raw_headers, body, tenant=tenant)
         data: dict[str, Any] = {}
@@ -82,33 +85,31 @@ class Ingress:
                 data = parsed if isinstance(parsed, dict) else {}
             except (json.JSONDecodeError, UnicodeDecodeError):
                 return base  # the replica answers the 400
-        sid = headers.get("x-session-id") or data.get("session_id")
-        if path.startswith("/v1/sessions/"):  # /v1/sessions/{id}, /v1/sessions/{id}/fork: go where {id} is
-            sid = path[len("/v1/sessions/"):].split("/", 1)[0]
-        skey = session_key(tenant, sid) if isinstance(sid, str) and valid_session_id(sid) else None
+        skey = affinity = None
         hashes: list[bytes] = []
         messages: tuple[dict[str, Any], ...] = ()
-        if method == "POST" and path in TURN_PATHS:
+        if path.startswith("/v1/sessions/"):  # /v1/sessions/{id}, /v1/sessions/{id}/fork: go where {id} is
+            sid = path[len("/v1/sessions/"):].split("/", 1)[0]
+            skey = affinity = session_key(tenant, sid) if valid_session_id(sid) else None
+        elif path == "/v1/sessions" and isinstance(data.get("session_id"), str) and valid_session_id(data["session_id"]):
+            skey = affinity = session_key(tenant, data["session_id"])
+        elif method == "POST" and path in TURN_PATHS:
             try:
-                if path == "/v1/chat/completions":
-                    messages = tuple(data.get("messages") or ())
-                    prompt = render_chat(self.tokenizer, list(messages), data.get("tools"))
-                else:
-                    p = data.get("prompt")
-                    prompt = self.tokenizer.encode(p) if isinstance(p, str) else list(p or [])
-                hashes = extend_block_hashes([], prompt, self.block_size, salt=tenant_salt(tenant))
+                hint = route_hint(path, headers, data, self.tokenizer, tenant, self.responses)
+                skey, affinity, messages = hint.session_key, hint.affinity_key, hint.messages
+                hashes = extend_block_hashes([], hint.prompt, self.block_size, salt=tenant_salt(tenant))
             except Exception:  # noqa: BLE001 - a bad request routes anywhere; the replica explains
-                hashes = []
+                pass
         owner, released = None, False
-        if skey is not None:
-            rec = self.store.get(skey)
+        if affinity is not None:
+            rec = self.store.get(affinity)
             if rec is not None:
                 owner, released = rec.owner, rec.owner is None
         turn_hash = None
         if skey is not None and path in TURN_PATHS:
             turn_hash = hashlib.sha256(tenant.encode() + b"\0" + path.encode() + b"\0" + body).hexdigest()
         return RoutedRequest(method, path, b"", raw_headers, body,
-                             RouteKey(skey, owner, tuple(hashes), is_released=released), tenant, skey, turn_hash,
+                             RouteKey(affinity, owner, tuple(hashes), is_released=released), tenant, skey, turn_hash,
                              bool(data.get("stream")), messages)
 
     # -- forwarding ----------------------------------------------------------------------------

@@ -40,16 +40,20 @@ from typing import Any
 from sessionserve.obs.cpu_roles import ENGINE
 from sessionserve.router.policy import RouteKey
 from sessionserve.router.store import SessionRecord, make_store
+from sessionserve.server.route_hint import TURN_PATHS
 
 logger = logging.getLogger(__name__)
 
-TURN_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_BUSY_RETRIES = 3  # a turn that finds its session's KV mid-move is run again this many times
 STALE_SWEEP_PERIOD_S = 5.0  # how often a replica looks for its copies of sessions deleted elsewhere
 
 
-def _has_output(chunk: bytes) -> bool:
-    """An SSE chunk that carries generated output (not chat's opening role chunk, not an error)."""
+def _has_output(path: str, chunk: bytes) -> bool:
+    """An SSE chunk that carries generated output (not the opening events, not an error)."""
+    if path == "/v1/responses":
+        return b"response.output_item.added" in chunk
+    if path == "/v1/messages":
+        return b"content_block_start" in chunk
     return b'"choices"' in chunk and b'"role"' not in chunk and b'"error"' not in chunk
 
 
@@ -132,12 +136,14 @@ class EngineReplica:
         from sessionserve.llm_engine import LLMEngine
         from sessionserve.server.app import create_app
         from sessionserve.server.auth import Auth
+        from sessionserve.server.response_store import make_response_store
 
         self.options = options
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         config = Config.from_env(Config.from_kwargs(**options.engine_kwargs))
         self.engine = LLMEngine(config, resolve_model_path(options.model))
-        self.app = create_app(self.engine, model_name=options.model_name, auth=Auth(dict(options.api_keys) or None))
+        self.app = create_app(self.engine, model_name=options.model_name, auth=Auth(dict(options.api_keys) or None),
+                              response_store=make_response_store(options.store_url))
         self.bridge = self.app.state.ss.bridge
         self.bridge.start()  # the app's lifespan does this under uvicorn; here no server runs it
         self.store = make_store(options.store_url)
@@ -173,8 +179,13 @@ class EngineReplica:
             yield before.last_response.encode()
             return
         adopted = key is not None and before is not None and before.owner != self.replica_id
+        seeded = False
         if adopted:
             self.counters.num_sessions_adopted += 1
+            assert before is not None
+            # The session's history as the other replica held it (the model's own tokens), and where its
+            # conversation stands: this turn then computes only what is new, as it would have there.
+            seeded = await self.app.state.pipeline.adopt(key, before.tenant, before.token_ids, before.transcript)
         status, headers, chunks = 500, [], []
         for attempt in range(MAX_BUSY_RETRIES + 1):
             if key:
@@ -190,7 +201,7 @@ class EngineReplica:
                     (chunks if not req.is_stream else held).append(msg["body"])
                     # A stream is held until its first output (chat sends a role chunk first), so a busy
                     # error at the start of the turn can still be retried; then it flows through.
-                    if req.is_stream and _has_output(msg["body"]):
+                    if req.is_stream and _has_output(req.path, msg["body"]):
                         started = True
                         yield {"status": status, "headers": headers}
                         for chunk in held:
@@ -207,7 +218,7 @@ class EngineReplica:
             break
         body = b"".join(chunks)
         if status == 200:
-            conflict = await self._after(req, key, before, None if req.is_stream else body, adopted)
+            conflict = await self._after(req, key, before, None if req.is_stream else body, adopted, seeded)
             if conflict and not req.is_stream:
                 status, body = 409, json.dumps({"error": {
                     "message": "The session advanced on another replica during this turn; retry it.",
@@ -232,7 +243,7 @@ class EngineReplica:
             await asyncio.sleep(0.01)
 
     async def _after(self, req: RoutedRequest, key: str | None, before: SessionRecord | None,
-                     response: bytes | None, adopted: bool = False) -> bool:
+                     response: bytes | None, adopted: bool = False, seeded: bool = False) -> bool:
         """Bring the store up to date after a successful request. Returns True on a CAS conflict."""
         if req.method == "DELETE" and req.session_key and req.path.startswith("/v1/sessions/"):
             self.store.delete(req.session_key)
@@ -247,15 +258,20 @@ class EngineReplica:
             s = eng.get_session(key)
             if s is None:
                 return None
+            # Tokens the turns here did not compute: the cached part of what was sent.
             return tuple(s.token_ids), s.residency.value, s.stats.num_prompt_tokens - s.stats.num_computed_prompt_tokens
 
         snap = await self.bridge.call(snapshot)
         if snap is None:
             return False
         if adopted and before is not None:  # the session's first turn here: what it found cached, it did not redo
-            self.counters.num_tokens_recomputed += max(0, len(before.token_ids) - snap[2])
+            # Seeded with its history, the session sent only the new tokens: what it computed beyond them
+            # (-snap[2]) was history; else it sent everything, and the history not found cached was redone.
+            self.counters.num_tokens_recomputed += max(0, -snap[2] if seeded else len(before.token_ids) - snap[2])
         base = before or SessionRecord(key, req.tenant)
+        transcript = self.app.state.pipeline.transcript(key)
         new = replace(base, token_ids=snap[0], messages=req.messages or base.messages, owner=self.replica_id,
+                      transcript=transcript if transcript is not None else base.transcript,
                       tier=snap[1], last_turn_hash=req.turn_hash if req.path in TURN_PATHS else base.last_turn_hash,
                       last_response=response.decode() if response is not None and req.path in TURN_PATHS else None)
         if self.store.put(new) is None:

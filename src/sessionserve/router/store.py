@@ -35,6 +35,9 @@ class SessionRecord:
     spool_path: str | None = None  # the disk-tier file, when a shared disk can reach it
     last_turn_hash: str | None = None  # fingerprint of the last request that completed
     last_response: str | None = None  # its response body (JSON), replayed if the same request comes again
+    # Where its conversation stands (the server's transcript: digest, stop_text, stopped), so a replica
+    # that continues the session splices the next turn onto the same tokens.
+    transcript: dict[str, Any] | None = None
     updated_s: float = field(default=0.0)  # wall time of the last write
 
     def to_json(self) -> str:

@@ -33,6 +33,7 @@ from sessionserve.server.auth import Auth
 from sessionserve.server.bridge import AsyncEngine, EngineDead, EngineOverloaded
 from sessionserve.server.implicit import ImplicitSessions
 from sessionserve.server.protocol import OpenAIError, format_validation_errors
+from sessionserve.server.response_store import ResponseStore
 
 logger = logging.getLogger("sessionserve.server")
 
@@ -66,8 +67,9 @@ class ServerState:
     # Generation requests in flight per tenant, and the most each may have (beyond: 429).
     max_requests_per_tenant: int = 256
     in_flight: dict[str, int] = field(default_factory=dict)
-    # Every served model by name, the default one first.
+    # Every served model by name, the default one first; other names clients may use for them.
     models: dict[str, ModelSlot] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
     # How `model: "auto"` chooses between two of them (None: no `auto`).
     route: ModelRoutePolicy | None = None
     # Whether /v1/completions without a session id also finds its conversation (chat always does when on).
@@ -87,7 +89,8 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
                implicit_sessions: bool | str = True, max_implicit_sessions: int = 256,
                max_requests_per_tenant: int = 256, route: ModelRoutePolicy | None = None,
                tokenize_threads: int = 2, tokenize_cpus: frozenset[int] | None = None,
-               engine_cpus: frozenset[int] | None = None) -> FastAPI:
+               engine_cpus: frozenset[int] | None = None, response_store: ResponseStore | None = None,
+               aliases: dict[str, str] | None = None) -> FastAPI:
     """The app over one engine, or over several (`{served name: engine}`, the first is the default).
 
     With several, `route` (default: `default_route`) serves `model: "auto"`.
@@ -95,6 +98,8 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
     session), "all" (completions with token-id or text prompts too), False or "off".
     CPU roles: chat rendering and tokenization run on `tokenize_threads` threads (pinned to `tokenize_cpus`),
     each engine's loop on its own thread (pinned to `engine_cpus`); /metrics reports each role's busy time.
+    `response_store` keeps Responses API responses (default: SQLite in memory); `aliases` maps other names
+    clients use (`--served-model-name`) to served model names.
     """
     if implicit_sessions not in (True, False, "chat", "all", "off"):
         raise ValueError(f"implicit_sessions must be chat, all or off, not {implicit_sessions!r}")
@@ -133,7 +138,7 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
     state = ServerState(engine, bridge, auth or Auth(), metrics, tracer or Tracer(None), name, int(time.time()),
                         max_request_bytes, max_sessions_per_tenant, first.implicit, max_requests_per_tenant,
                         models=slots, route=route, implicit_completions=implicit_completions, roles=roles,
-                        tokenize_pool=tokenize_pool)
+                        tokenize_pool=tokenize_pool, aliases=dict(aliases or {}))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -156,36 +161,43 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
         request_id_var.set(request.state.request_id)
         path = request.url.path
         if path.startswith("/v1/"):
-            tenant = state.auth.tenant_for(request.headers.get("authorization"))
+            # OpenAI clients send `Authorization: Bearer`, Anthropic's `x-api-key`.
+            key = request.headers.get("x-api-key")
+            tenant = state.auth.tenant_for(request.headers.get("authorization") or (key and f"Bearer {key}"))
             if tenant is None:
                 return error_response(OpenAIError(401, "Invalid or missing API key.", "authentication_error",
-                                                  code="invalid_api_key"), state)
+                                                  code="invalid_api_key"), state, path)
             request.state.tenant = tenant
             length = request.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > state.max_request_bytes:
                 return error_response(OpenAIError(413, f"Request body over {state.max_request_bytes} bytes.",
-                                                  "invalid_request_error", code="request_too_large"), state)
+                                                  "invalid_request_error", code="request_too_large"), state, path)
         response = await call_next(request)
         response.headers["x-request-id"] = request.state.request_id
         return response
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc, state)
+        return error_response(exc, state, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(format_validation_errors(exc.errors()), state)
+        return error_response(format_validation_errors(exc.errors()), state, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(OpenAIError(exc.status_code, str(exc.detail), kind), state)
+        return error_response(OpenAIError(exc.status_code, str(exc.detail), kind), state, request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("request %s failed", getattr(request.state, "request_id", "?"))
-        return error_response(OpenAIError(500, "Internal server error.", "server_error"), state)
+        return error_response(OpenAIError(500, "Internal server error.", "server_error"), state, request.url.path)
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        # Claude Code checks the base URL with HEAD / before its first request.
+        return JSONResponse({"name": "sessionserve", "models": list(slots)})
 
     @app.get("/health")
     async def health() -> Response:
@@ -209,10 +221,17 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
                          "routes": {"plan": route.large, "execute": route.small}})
         return {"object": "list", "data": data}
 
-    from sessionserve.server.routes_openai import register as register_openai
+    from sessionserve.server.api import chat_completions, completions, messages, responses
+    from sessionserve.server.response_store import make_response_store
     from sessionserve.server.routes_sessions import register as register_sessions
+    from sessionserve.server.turn.pipeline import TurnPipeline
 
-    register_openai(app, state)
+    pipeline = TurnPipeline(state)
+    app.state.pipeline = pipeline
+    for api in (chat_completions, completions):
+        api.register(app, pipeline)
+    responses.register(app, pipeline, response_store or make_response_store(None))
+    messages.register(app, pipeline, state)
     register_sessions(app, state)
     return app
 
@@ -226,9 +245,14 @@ def default_route(engines: dict[str, LLMEngine]) -> ModelRoutePolicy:
     return ModelRoutePolicy(large=ranked[-1], small=ranked[0])
 
 
-def error_response(exc: OpenAIError, state: ServerState) -> JSONResponse:
+def error_response(exc: OpenAIError, state: ServerState, path: str = "") -> JSONResponse:
+    """The error in the protocol of the path's API: Anthropic's JSON under /v1/messages, OpenAI's elsewhere."""
     state.metrics.errors.labels(str(exc.status_code)).inc()
     headers = {"retry-after": "1"} if exc.status_code == 429 else None
+    if path.startswith("/v1/messages"):
+        from sessionserve.server.api.messages import error_body
+
+        return JSONResponse(error_body(exc), status_code=exc.status_code, headers=headers)
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
 
 

@@ -115,16 +115,16 @@ class AsyncEngine:
         self._commands.put(run)
         return await fut
 
-    async def generate(self, prompt: list[int] | Callable[[LLMEngine], list[int]], params: SamplingParams,
-                       request_id: str, session_id: str | None = None, salt: bytes = b"",
-                       stream: bool = True, priority: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs (one per engine step it advanced) until it finishes.
+    async def submit(self, prompt: list[int] | Callable[[LLMEngine], list[int] | Turn], params: SamplingParams,
+                     request_id: str, session_id: str | None = None, salt: bytes = b"", stream: bool = True,
+                     priority: str | None = None) -> OutputStream:
+        """Add a request; returns once the engine has taken it (or raised why not). Iterate the result for
+        its outputs (one per engine step it advanced) until it finishes.
 
-        `prompt` may be a function of the engine, run in the engine thread
-        right before the request is added (a session turn works out its new
-        tokens there). Raises ValueError for bad input, EngineOverloaded when
-        the queue is full. If the consumer stops iterating (client gone), the
-        request is aborted and its blocks freed.
+        `prompt` may be a function of the engine, run in the engine thread right before the request is
+        added (a session turn works out its new tokens there). Raises ValueError for bad input,
+        EngineOverloaded when the queue is full, and whatever `prompt` raised. If the consumer stops
+        iterating (client gone) or closes the stream, the request is aborted and its blocks freed.
         """
         if self._draining or not self.is_alive:
             raise EngineDead("the server is shutting down")
@@ -143,30 +143,30 @@ class AsyncEngine:
                             priority=priority)
             self._streams[request_id] = own
 
-        finished = False
         # Counted from now, not from when the engine thread gets to `add`: a burst that arrives while
         # the engine is busy must meet the limit too.
         self._num_adding += 1
         try:
-            # NOTE: inside the try: a consumer cancelled while `add` waits for the engine thread
-            # (a client gone before the first step) must still abort the request `add` then adds.
-            try:
-                await self.call(add)
-            finally:
-                self._num_adding -= 1
-            while True:
-                item = await own.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            await self.call(add)
+        except BaseException:
+            # NOTE: a consumer cancelled while `add` waits for the engine thread (a client gone before the
+            # first step) must still abort the request `add` then adds: queued after it (one FIFO queue).
+            self._commands.put(lambda: self._abort_own(own))
+            raise
         finally:
-            if not finished:
-                # Queued without awaiting: a cancelled consumer cannot await, and the command runs
-                # after `add` (one FIFO queue) whether or not `add` has run yet.
-                self._commands.put(lambda: self._abort_own(own))
+            self._num_adding -= 1
+        return OutputStream(self, own)
+
+    async def generate(self, prompt: list[int] | Callable[[LLMEngine], list[int] | Turn], params: SamplingParams,
+                       request_id: str, session_id: str | None = None, salt: bytes = b"",
+                       stream: bool = True, priority: str | None = None) -> AsyncIterator[RequestOutput]:
+        """`submit` and iterate: the request's outputs until it finishes."""
+        outputs = await self.submit(prompt, params, request_id, session_id, salt, stream, priority)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            outputs.close()
 
     async def abort(self, request_id: str) -> None:
         def do(eng: LLMEngine) -> None:
@@ -228,6 +228,56 @@ class AsyncEngine:
             s = self._streams.pop(rid, None)
             if s is not None:
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, RuntimeError(f"engine step failed: {exc!r}"))
+
+
+class OutputStream:
+    """A started request's outputs. Iterate once; `close()` (or leaving the iteration early) aborts it."""
+
+    def __init__(self, bridge: AsyncEngine, own: _Stream) -> None:
+        self._bridge = bridge
+        self._own = own
+        self.finished = False
+        self._on_end: list[Callable[[], None]] = []
+
+    def on_end(self, fn: Callable[[], None]) -> None:
+        """Call `fn` once when the request finishes or is closed (at once if it already has)."""
+        if self.finished:
+            fn()
+        else:
+            self._on_end.append(fn)
+
+    def _end(self) -> None:
+        self.finished = True
+        callbacks, self._on_end = self._on_end, []
+        for fn in callbacks:
+            fn()
+
+    @property
+    def request_id(self) -> str:
+        return self._own.request_id
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await self._own.queue.get()
+                if isinstance(item, BaseException):
+                    self._end()  # the engine dropped it already
+                    raise item
+                if item.finished:
+                    self._end()
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort the request unless it finished. Safe to call more than once and from a cancelled task."""
+        if not self.finished:
+            self._end()
+            # Queued without awaiting: a cancelled consumer cannot await.
+            own = self._own
+            self._bridge._commands.put(lambda: self._bridge._abort_own(own))
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

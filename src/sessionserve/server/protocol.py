@@ -24,6 +24,7 @@ from sessionserve.server.protocol_chat import (
     ToolCall,
     ToolCallFunction,
     parse_chat_request,
+    valid_tool_name,
 )
 from sessionserve.server.protocol_common import (
     OpenAIError,
@@ -61,8 +62,8 @@ __all__ = [
     "format_validation_error", "format_validation_errors", "parse_request", "valid_session_id", "RequestModel",
     # requests
     "ChatCompletionRequest", "ChatMessage", "FunctionDef", "JsonSchemaFormat", "ResponseFormat", "StreamOptions",
-    "Tool", "ToolCall", "ToolCallFunction", "CompletionRequest", "parse_chat_request", "parse_completion_request",
-    "sampling_kwargs", "guided_decoding",
+    "Tool", "ToolCall", "ToolCallFunction", "CompletionRequest", "valid_tool_name", "parse_chat_request", "parse_completion_request",
+    "sampling_kwargs", "guided_decoding", "format_guide",
     # responses
     "chat_completion", "chat_chunk", "chat_finish_reason", "completion", "completion_chunk", "usage_dict",
     "TokenLogprob", "chat_logprobs", "completion_logprobs", "LOGPROB_FLOOR", "model_card", "model_list",
@@ -191,9 +192,13 @@ def guided_decoding(req: ChatCompletionRequest) -> GuidedDecoding | None:
                                              parallel=req.parallel_tool_calls is not False)
         except ValueError as exc:
             raise bad_request(f"Invalid tools: {exc}", "tools") from None
-    fmt = req.response_format
     tools_usable = bool(req.tools) and choice != "none"
-    if fmt is None or fmt.type == "text" or tools_usable:
+    return None if tools_usable else format_guide(req.response_format)
+
+
+def format_guide(fmt: ResponseFormat | None) -> GuidedDecoding | None:
+    """The constraint of a chat `response_format` (None for text)."""
+    if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
         return GuidedDecoding.json_object()

@@ -26,8 +26,13 @@ _UNSUPPORTED_PARTS = {"image_url", "input_audio", "file", "image", "audio"}
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+def valid_tool_name(name: object) -> bool:
+    """Tool and format names: 1 to 64 characters from a-z, A-Z, 0-9, '_' and '-'."""
+    return isinstance(name, str) and _TOOL_NAME.fullmatch(name) is not None
+
+
 def _check_name(name: str) -> str:
-    if not _TOOL_NAME.fullmatch(name):
+    if not valid_tool_name(name):
         raise ValueError("a name must be 1 to 64 characters from a-z, A-Z, 0-9, '_' and '-'")
     return name
 

@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from sessionserve.llm_engine import LLMEngine
 from sessionserve.server import protocol as P
 from sessionserve.server.app import read_body, read_json
-from sessionserve.server.routes_openai import check_session_limit, session_key
+from sessionserve.server.turn.identity import session_key
+from sessionserve.server.turn.pipeline import check_session_limit
 
 if TYPE_CHECKING:
     from sessionserve.core.session import Session

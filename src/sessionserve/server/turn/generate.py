@@ -1,0 +1,129 @@
+"""Run a turn on an engine: per-tenant limits, the bridge, retries while a session's KV moves, disconnects.
+
+`start_generation` adds one request and returns its outputs. Its `prepare`
+callable runs in the engine thread right before the request is added (it
+works out the session and the new tokens there); a session whose KV is being
+copied between tiers refuses the turn for a moment, and the turn is added
+again until `MOVE_WAIT_S` has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from sessionserve.core.guided import GuidedDecoding
+from sessionserve.core.sampling_params import SamplingParams
+from sessionserve.core.session_manager import SessionMovingError
+from sessionserve.server import protocol as P
+from sessionserve.server.app import engine_error
+from sessionserve.server.auth import tenant_salt
+from sessionserve.server.bridge import OutputStream, Turn
+from sessionserve.server.turn.continuation import NeedFullPrompt
+
+if TYPE_CHECKING:
+    from sessionserve.llm_engine import LLMEngine
+    from sessionserve.server.app import ModelSlot, ServerState
+    from sessionserve.server.turn.types import TurnRequest
+
+# How long a turn waits for its session's KV to finish moving between tiers before a 409.
+MOVE_WAIT_S = 10.0
+
+
+def check_in_flight(state: ServerState, tenant: str) -> None:
+    """429 when `tenant` already has its limit of generation requests in flight."""
+    if state.in_flight.get(tenant, 0) >= state.max_requests_per_tenant:
+        raise P.OpenAIError(429, f"Too many requests in flight for this API key (limit "
+                                 f"{state.max_requests_per_tenant}).", "rate_limit_error", code="too_many_requests")
+
+
+def make_params(sampling: dict, max_tokens: int | None, num_prompt: int, eng: LLMEngine, clamp: bool = False,
+                **extra: object) -> SamplingParams:
+    """SamplingParams for a prompt of `num_prompt` tokens; a 400 when it or the output cap does not fit."""
+    room = eng.max_model_len - num_prompt
+    if room < 1:
+        raise P.OpenAIError(400, f"This model's maximum context length is {eng.max_model_len} tokens; the "
+                                 f"prompt has {num_prompt} tokens.", "invalid_request_error", param="messages",
+                            code="context_length_exceeded")
+    if max_tokens is None or (clamp and max_tokens > room):
+        max_tokens = room
+    if max_tokens > room:
+        raise P.OpenAIError(400, f"max_tokens is {max_tokens}, but the prompt has {num_prompt} tokens and the "
+                                 f"context is {eng.max_model_len}.", "invalid_request_error", param="max_tokens",
+                            code="context_length_exceeded")
+    min_tokens = sampling.get("min_tokens", 0)
+    if min_tokens > max_tokens:
+        raise P.bad_request(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens")
+    try:
+        return SamplingParams(**sampling, max_tokens=max_tokens, **extra)
+    except ValueError as exc:
+        raise P.OpenAIError(400, str(exc), "invalid_request_error") from None
+
+
+async def start_generation(state: ServerState, request: Request, slot: ModelSlot,
+                           prepare: Callable[[LLMEngine], Turn], params: SamplingParams,
+                           priority: str | None) -> OutputStream:
+    """Add the request to the engine; its outputs follow. Counted against the tenant's in-flight limit until
+    the stream ends. Raises NeedFullPrompt (from `prepare`, before anything ran) for the caller to plan again.
+    """
+    tenant = request.state.tenant
+    check_in_flight(state, tenant)
+    state.in_flight[tenant] = state.in_flight.get(tenant, 0) + 1
+
+    def release() -> None:
+        state.in_flight[tenant] -= 1
+        if not state.in_flight[tenant]:
+            del state.in_flight[tenant]
+
+    deadline = time.monotonic() + MOVE_WAIT_S
+    try:
+        while True:
+            try:
+                outputs = await slot.bridge.submit(prepare, params, request.state.request_id,
+                                                  salt=tenant_salt(tenant), priority=priority)
+                break
+            except SessionMovingError as exc:
+                # Raised while adding the turn, before any output: wait out the copy and add it again.
+                if time.monotonic() > deadline:
+                    raise engine_error(exc) from exc
+                await asyncio.sleep(0.01)
+            except (P.OpenAIError, NeedFullPrompt):
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
+                raise engine_error(exc) from exc
+    except BaseException:
+        release()
+        raise
+    outputs.on_end(release)
+    return outputs
+
+
+def guided_decoding(turn: TurnRequest) -> GuidedDecoding | None:
+    """The output constraint a turn asks for, if any.
+
+    tool_choice "required" or naming a function constrains the output to tool-call blocks. A response
+    format constrains it to JSON, but only when the model cannot call tools: a JSON grammar would forbid
+    the tool calls an agent's turn may need (OpenAI applies the format to the final answer only).
+    """
+    choice = turn.tool_choice
+    if turn.tools and (choice == "required" or isinstance(choice, dict)):
+        forced = choice.get("name") if isinstance(choice, dict) else None
+        try:
+            return GuidedDecoding.tool_calls(turn.tools, forced, parallel=turn.parallel_tool_calls)
+        except ValueError as exc:
+            raise P.bad_request(f"Invalid tools: {exc}", "tools") from None
+    if turn.uses_tools:
+        return None
+    return turn.response_format
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns once the client has hung up."""
+    # NOTE: a waiting task, not `request.is_disconnected()`: that polls receive() under a cancelled
+    # scope, which through the HTTP middleware's task group never sees the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

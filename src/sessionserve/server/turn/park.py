@@ -1,0 +1,57 @@
+"""After a turn: the session parks with the tools it waits on; metrics, trace and where the session stands.
+
+When a reply ends in tool calls the session is told what it waits on (the
+tools' names and the client's expected wait, if any) for the residency
+policy. Then the session's new point is read, in the same engine-thread call,
+so the next turn of this conversation can continue it exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from sessionserve.server.turn.continuation import point_after
+from sessionserve.server.turn.types import SessionPoint
+
+if TYPE_CHECKING:
+    from sessionserve.llm_engine import LLMEngine, RequestOutput
+    from sessionserve.server.app import ModelSlot, ServerState
+
+_WALL_OFFSET_S = time.time() - time.monotonic()
+
+
+async def park(slot: ModelSlot, key: str | None, tool_names: list[str], expected_wait_s: float | None,
+               is_whole_reply: bool = True) -> SessionPoint | None:
+    """Park session `key` on its tools (if any); return its point now (None without a session)."""
+    if key is None:
+        return None
+    stop_ids = tuple(slot.engine.core.eos_token_ids)
+
+    def do(e: LLMEngine) -> SessionPoint | None:
+        session = e.get_session(key)
+        if session is None:
+            return None
+        if tool_names:
+            e.park(key, tuple(tool_names), expected_wait_s)
+        return point_after(e, key, stop_ids, is_whole_reply)
+
+    return await slot.bridge.call(do)
+
+
+def record(state: ServerState, slot: ModelSlot, out: RequestOutput, t0: float, name: str,
+           session_id: str | None, session_step: int | None) -> None:
+    """The finished request in /metrics and as a trace span."""
+    state.tracer.record_request(
+        name=name, request_id=out.request_id, wall_offset_s=_WALL_OFFSET_S,
+        arrival_s=out.arrival_s, scheduled_s=out.scheduled_s, first_token_s=out.first_token_s,
+        finished_s=out.finished_s or time.monotonic(), restore_blocked_s=out.restore_wait_s,
+        attributes={"sessionserve.session_id": session_id, "sessionserve.session_step": session_step,
+                    "gen_ai.usage.input_tokens": len(out.prompt_token_ids),
+                    "gen_ai.usage.output_tokens": len(out.token_ids),
+                    "sessionserve.cached_tokens": out.num_cached_tokens,
+                    "gen_ai.response.finish_reason": out.finish_reason})
+    state.metrics.record_request(
+        model=slot.name, ttft_s=(out.first_token_s - out.arrival_s) if out.first_token_s else None,
+        e2e_s=time.monotonic() - t0, num_prompt=len(out.prompt_token_ids), num_cached=out.num_cached_tokens,
+        num_output=len(out.token_ids), finish_reason=out.finish_reason or "abort")
