@@ -79,6 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from sessionserve.obs.tracing import Tracer, configure_logging
     from sessionserve.server.app import create_app
     from sessionserve.server.auth import Auth
+    from sessionserve.server.response_store import make_response_store
 
     configure_logging(logging.INFO)
     def config(spool_dir: str | None) -> Config:
@@ -91,17 +92,59 @@ def cmd_serve(args: argparse.Namespace) -> None:
             **_spec_kwargs(args)))
 
     specs = model_specs(args.model)
+    names = args.served_model_name or []
     if len(specs) == 1:
-        engines: LLMEngine | dict[str, LLMEngine] = LLMEngine(config(args.spool_dir), resolve_model_path(specs[0][1]))
+        engines: dict[str, LLMEngine] = {
+            names[0] if names else None: LLMEngine(config(args.spool_dir), resolve_model_path(specs[0][1]))}
+        engines = {name or eng.model_dir.name: eng for name, eng in engines.items()}
     else:  # one engine per model, each with the engine flags (its own KV budget, tiers and spool folder)
         engines = {name: LLMEngine(config(args.spool_dir and str(Path(args.spool_dir) / name)),
                                    resolve_model_path(path)) for name, path in specs}
-    app = create_app(engines, model_name=args.served_model_name, auth=Auth.from_options(args.api_key, args.keys_file),
+    default = next(iter(engines))
+    aliases = {alias: default for alias in names if alias not in engines}
+    app = create_app(engines, auth=Auth.from_options(args.api_key, args.keys_file),
                      max_queued_requests=args.max_queued_requests, tracer=Tracer(args.trace),
                      implicit_sessions=args.implicit_sessions, tokenize_threads=args.tokenize_threads,
-                     tokenize_cpus=parse_cpus(args.tokenize_cpus), engine_cpus=parse_cpus(args.engine_cpus))
+                     tokenize_cpus=parse_cpus(args.tokenize_cpus), engine_cpus=parse_cpus(args.engine_cpus),
+                     response_store=make_response_store(args.response_store), aliases=aliases)
+    print(startup_banner(engines, aliases, f"http://{args.host}:{args.port}", args), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
                 log_config=None)
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 30):.1f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / (1 << 20):.0f} MiB"
+
+
+def startup_banner(engines: dict, aliases: dict[str, str], url: str, args: argparse.Namespace) -> str:
+    """What a newcomer needs on start: where the server is, what it serves with how much KV per tier, and
+    how to point the agents and SDKs at it."""
+    lines = [f"sessionserve is serving on {url}"]
+    for name, eng in engines.items():
+        also = [a for a, target in aliases.items() if target == name]
+        kv = eng.kv_usage()
+        device = kv["device_blocks_total"] * kv["block_bytes"]
+        tokens = kv["device_blocks_total"] * eng.runner.block_size
+        sc = eng.config.session
+        host = f"{_size(sc.host_kv_bytes)}{' int8' if sc.host_kv_int8 else ''}" if sc.host_kv_bytes else "off"
+        disk = f"{_size(sc.disk_kv_bytes)}" if sc.disk_kv_bytes else "off"
+        dtype = str(eng.runner.dtype).removeprefix("torch.")
+        lines.append(f"  model {name!r}{' (also ' + ', '.join(map(repr, also)) + ')' if also else ''}: "
+                     f"{eng.model_dir}, context {eng.max_model_len} tokens, {dtype}")
+        lines.append(f"    KV cache: device {_size(device)} ({tokens:,} tokens), host tier {host}, disk tier {disk}; "
+                     f"parked sessions: {sc.residency_policy} policy")
+    model = next(iter(engines))
+    key = (args.api_key or ["<any key>"])[0]
+    lines += [
+        "  Point clients at it:",
+        f"    OpenAI SDKs (chat, Responses):  OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY={key}  model={model!r}",
+        f"    Anthropic SDK / Claude Code:    ANTHROPIC_BASE_URL={url} ANTHROPIC_API_KEY={key} "
+        f"ANTHROPIC_MODEL={model} claude",
+        f"    Codex (~/.codex/config.toml):   model = \"{model}\"  model_provider = \"sessionserve\"",
+        f"                                    [model_providers.sessionserve] name = \"sessionserve\" "
+        f"base_url = \"{url}/v1\" wire_api = \"responses\"",
+    ]
+    return "\n".join(lines)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -131,10 +174,16 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", action="append", default=None, help="accepted API key (repeatable)")
     serve.add_argument("--keys-file", default=None, help="JSON object mapping API keys to tenant names")
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="names clients may use for the model: the first is the one /v1/models lists, the "
+                            "others are aliases (e.g. the name a client is configured with)")
     serve.add_argument("--residency-policy", default="predictive",
-                       choices=["discard", "keep", "ttl", "least-waste", "predictive"])
-    serve.add_argument("--host-kv-bytes", type=int, default=2 << 30)
+                       choices=["discard", "keep", "ttl", "least-waste", "predictive"],
+                       help="what happens to a parked session's KV (default: predictive, which keeps, moves "
+                            "to a lower tier or drops each session by its expected wait and cost)")
+    serve.add_argument("--host-kv-bytes", type=int, default=0,
+                       help="host-memory KV tier for parked sessions (default 0: off; on a CPU it is the same "
+                            "RAM as the device tier)")
     serve.add_argument("--disk-kv-bytes", type=int, default=0)
     serve.add_argument("--spool-dir", default=None)
     serve.add_argument("--kv-store-dir", default=None,
@@ -144,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host-prefix-cache-bytes", type=int, default=0,
                        help="host memory for KV blocks the device's prefix cache evicts (0: none)")
     serve.add_argument("--max-queued-requests", type=int, default=1024)
+    serve.add_argument("--response-store", default=None,
+                       help="where Responses API responses are kept for previous_response_id: "
+                            "sqlite:///file.db, redis://host:port/db (default: SQLite in memory)")
     serve.add_argument("--tokenize-threads", type=int, default=2, help="threads that render and tokenize prompts")
     serve.add_argument("--tokenize-cpus", default=None, help="cores for those threads, e.g. '1' or '2-3'")
     serve.add_argument("--engine-cpus", default=None,

@@ -216,16 +216,22 @@ def make_model(
     seed: int = 0,
     *,
     cache_dir: Path | None = None,
+    context: int | None = None,
 ) -> Path:
     """Write a complete HF model folder to out_dir (replacing it) and return it.
 
     cache_dir locates the shared tokenizer cache (default
-    ``~/.cache/sessionserve/models``).
+    ``~/.cache/sessionserve/models``). `context`: max_position_embeddings instead of the size's own
+    (agent clients such as Claude Code open with 20-30k tokens of system prompt and tools).
     """
     _check(arch, size)
+    if context is not None and context < 2:
+        raise ValueError("context must be >= 2 tokens")
     tok_path = ensure_tokenizer(cache_dir)
     eos, pad = special_token_ids(tok_path)
     cfg = model_config(arch, size, eos_token_id=eos, pad_token_id=pad)
+    if context is not None:
+        cfg["max_position_embeddings"] = context
     return write_model_folder(out_dir, cfg, lambda: init_weights(arch, cfg, seed), tok_path)
 
 
@@ -324,6 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default: the shared cache, built only if missing)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="context length in tokens (max_position_embeddings; default: the size's, 8192 for "
+                             "small). Claude Code's first request is 20-30k tokens: use 65536 for it")
     parser.add_argument("--cache-dir", type=Path, default=None)
     train = parser.add_argument_group("trained weights (needs transformers)")
     train.add_argument("--train", action="store_true",
@@ -359,11 +368,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--pair, --train-steps and --train-minutes need --train")
     size = args.size or "small"
     if args.out is None:
-        if args.seed != 0:
-            parser.error("--seed needs --out (the cached default model uses seed 0)")
+        if args.seed != 0 or args.context is not None:
+            parser.error("--seed and --context need --out (the cached default model is fixed)")
         path = ensure_model(args.arch, size, args.cache_dir)
     else:
-        path = make_model(args.out, args.arch, size, args.seed, cache_dir=args.cache_dir)
+        path = make_model(args.out, args.arch, size, args.seed, cache_dir=args.cache_dir, context=args.context)
     print(path)
 
 

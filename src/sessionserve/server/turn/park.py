@@ -8,6 +8,7 @@ so the next turn of this conversation can continue it exactly.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from sessionserve.llm_engine import LLMEngine, RequestOutput
     from sessionserve.server.app import ModelSlot, ServerState
 
+logger = logging.getLogger("sessionserve.requests")
 _WALL_OFFSET_S = time.time() - time.monotonic()
 
 
@@ -41,7 +43,12 @@ async def park(slot: ModelSlot, key: str | None, tool_names: list[str], expected
 
 def record(state: ServerState, slot: ModelSlot, out: RequestOutput, t0: float, name: str,
            session_id: str | None, session_step: int | None) -> None:
-    """The finished request in /metrics and as a trace span."""
+    """The finished request in /metrics, as a trace span and as one log line."""
+    ttft_s = (out.first_token_s - out.arrival_s) if out.first_token_s else None
+    logger.info("%s model=%s session=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d finish=%s ttft_s=%s "
+                "e2e_s=%.3f", name, slot.name, session_id, len(out.prompt_token_ids), out.num_cached_tokens,
+                len(out.token_ids), out.finish_reason, f"{ttft_s:.3f}" if ttft_s is not None else None,
+                time.monotonic() - t0)
     state.tracer.record_request(
         name=name, request_id=out.request_id, wall_offset_s=_WALL_OFFSET_S,
         arrival_s=out.arrival_s, scheduled_s=out.scheduled_s, first_token_s=out.first_token_s,
@@ -52,6 +59,6 @@ def record(state: ServerState, slot: ModelSlot, out: RequestOutput, t0: float, n
                     "sessionserve.cached_tokens": out.num_cached_tokens,
                     "gen_ai.response.finish_reason": out.finish_reason})
     state.metrics.record_request(
-        model=slot.name, ttft_s=(out.first_token_s - out.arrival_s) if out.first_token_s else None,
+        model=slot.name, ttft_s=ttft_s,
         e2e_s=time.monotonic() - t0, num_prompt=len(out.prompt_token_ids), num_cached=out.num_cached_tokens,
         num_output=len(out.token_ids), finish_reason=out.finish_reason or "abort")
