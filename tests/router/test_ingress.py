@@ -107,3 +107,29 @@ def test_busy_retry_detects_only_a_moving_session_before_output() -> None:
     assert _is_moving_busy(200, role + busy) and _is_moving_busy(409, busy)
     assert not _is_moving_busy(409, b'{"error": {"message": "already has a turn running", "code": "session_busy"}}')
     assert not _is_moving_busy(500, busy)
+
+
+def test_route_keys_of_responses_and_messages(ingress: Ingress, tiny_llama: Path) -> None:
+    from sessionserve.server.response_store import StoredResponse
+    from sessionserve.server.turn.types import Continuation, SessionPoint
+
+    headers = {"x-api-key": "key-a", "x-claude-code-session-id": "cc-1"}
+    body = {"model": "m", "max_tokens": 8, "system": "Be brief. " * 30,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    req = ingress.route_of("POST", "/v1/messages", headers, json.dumps(body).encode())
+    # Claude Code's session header keeps the conversation on one replica; the store keeps no record of it.
+    assert req.tenant == "alice" and req.route.session_key == "alice/cc-1" and req.session_key is None
+    prompt = render_chat(Tokenizer(tiny_llama), [{"role": "system", "content": body["system"]},
+                                                 {"role": "user", "content": "hi"}], None)
+    assert req.route.block_hashes == tuple(extend_block_hashes([], prompt, 16, salt=tenant_salt("alice")))
+    # A stored response sends the next turn where its session is.
+    point = SessionPoint("alice/~abc", 40, 1, "d", "<|im_end|>")
+    ingress.responses.put(StoredResponse("resp_1", "alice", {}, [], [{"role": "user", "content": "hi"},
+                                                                      {"role": "assistant", "content": "yo"}],
+                                         continuation=Continuation(point, "digest")))
+    nxt = ingress.route_of("POST", "/v1/responses", {"authorization": "Bearer key-a"},
+                           json.dumps({"model": "m", "input": "more", "previous_response_id": "resp_1"}).encode())
+    assert nxt.route.session_key == "alice/~abc"
+    codex = ingress.route_of("POST", "/v1/responses", {"authorization": "Bearer key-a"},
+                             json.dumps({"model": "m", "input": "x " * 40, "prompt_cache_key": "thread-9"}).encode())
+    assert codex.route.session_key == "alice/thread-9" and len(codex.route.block_hashes) >= 1
