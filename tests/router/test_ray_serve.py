@@ -115,6 +115,47 @@ def test_affinity_holds_across_steps(cluster: Cluster) -> None:
     assert all(0 < r["engine_cpu_s"] <= r["process_cpu_s"] and r["engine_busy_s"] > 0 for r in live.values()), live
 
 
+RUN_TOOL = {"name": "run", "description": "Run a command", "input_schema": {
+    "type": "object", "properties": {"cmd": {"type": "string", "enum": ["ls", "pwd"]}}, "required": ["cmd"]}}
+
+
+def test_responses_and_messages_keep_their_sessions_on_one_replica(cluster: Cluster) -> None:
+    """Responses chained by previous_response_id and Claude Code sessions (its session header) continue on the
+    replica holding their KV: each turn reuses the whole previous prompt and reply."""
+    app = cluster.ours
+    tools = [{"type": "function", "name": RUN_TOOL["name"], "description": RUN_TOOL["description"],
+              "parameters": RUN_TOOL["input_schema"]}]
+    for i in range(3):
+        previous, items, last = None, f"Responses session {i}: check the build.", None
+        for step in range(3):
+            body = {"model": "tiny", "input": items, "tools": tools, "tool_choice": "required", "temperature": 0,
+                    "max_output_tokens": 100, **({"previous_response_id": previous} if previous else {})}
+            r = httpx.post(f"{app.url}/v1/responses", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            resp = r.json()
+            if last is not None:
+                assert resp["usage"]["input_tokens_details"]["cached_tokens"] == \
+                    last["usage"]["input_tokens"] + last["usage"]["output_tokens"] - 1
+            call = next(o for o in resp["output"] if o["type"] == "function_call")
+            previous, last = resp["id"], resp
+            items = [{"type": "function_call_output", "call_id": call["call_id"], "output": f"step {step}"}]
+        msgs: list[dict] = [{"role": "user", "content": f"Messages session {i}: check the build."}]
+        held = None
+        for step in range(3):
+            r = httpx.post(f"{app.url}/v1/messages", timeout=120,
+                           headers={"x-claude-code-session-id": f"cc-ray-{i}", "anthropic-version": "2023-06-01"},
+                           json={"model": "tiny", "max_tokens": 100, "messages": msgs, "tools": [RUN_TOOL],
+                                 "tool_choice": {"type": "any"}, "temperature": 0})
+            assert r.status_code == 200, r.text
+            m = r.json()
+            if held is not None:
+                assert m["usage"]["cache_read_input_tokens"] == held - 1
+            held = m["usage"]["input_tokens"] + m["usage"]["cache_read_input_tokens"] + m["usage"]["output_tokens"]
+            use = next(b for b in m["content"] if b["type"] == "tool_use")
+            msgs += [{"role": "assistant", "content": m["content"]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "ok"}]}]
+
+
 def test_a_copy_left_behind_is_closed_when_the_session_is_deleted(cluster: Cluster) -> None:
     """A replica closes its parked copy of a session deleted through another replica; the copy of a session the
     store gives to another replica (as a rebalance or a failover does) is kept, and that session goes on."""
