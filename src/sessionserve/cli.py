@@ -72,14 +72,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from sessionserve.config import Config
+    from sessionserve.config import Config, ServerConfig
     from sessionserve.llm import resolve_model_path
     from sessionserve.llm_engine import LLMEngine
     from sessionserve.obs.cpu_roles import parse_cpus
     from sessionserve.obs.tracing import Tracer, configure_logging
     from sessionserve.server.app import create_app
     from sessionserve.server.auth import Auth
-    from sessionserve.server.response_store import make_response_store
 
     configure_logging(logging.INFO)
     def config(spool_dir: str | None) -> Config:
@@ -102,11 +101,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                    resolve_model_path(path)) for name, path in specs}
     default = next(iter(engines))
     aliases = {alias: default for alias in names if alias not in engines}
-    app = create_app(engines, auth=Auth.from_options(args.api_key, args.keys_file),
-                     max_queued_requests=args.max_queued_requests, tracer=Tracer(args.trace),
-                     implicit_sessions=args.implicit_sessions, tokenize_threads=args.tokenize_threads,
+    server = ServerConfig(max_queued_requests=args.max_queued_requests, implicit_sessions=args.implicit_sessions,
+                          tokenize_threads=args.tokenize_threads, response_store=args.response_store)
+    app = create_app(engines, auth=Auth.from_options(args.api_key, args.keys_file), tracer=Tracer(args.trace),
                      tokenize_cpus=parse_cpus(args.tokenize_cpus), engine_cpus=parse_cpus(args.engine_cpus),
-                     response_store=make_response_store(args.response_store), aliases=aliases)
+                     aliases=aliases, config=server)
     print(startup_banner(engines, aliases, f"http://{args.host}:{args.port}", args), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
                 log_config=None)

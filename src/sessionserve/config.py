@@ -203,6 +203,43 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server around the engines: limits per request and per tenant, sessions found by content,
+    stored Responses API responses."""
+
+    # Requests in flight (queued or running) per engine; past it a new request gets 429 with Retry-After.
+    max_queued_requests: int = 1024
+    # Largest request body in bytes (413 past it): 8 MiB holds a long agent conversation with its tools.
+    max_request_bytes: int = 8 * MiB
+    # Sessions a tenant may open by id (sessions found by content do not count; 429 past it).
+    max_sessions_per_tenant: int = 1000
+    # Generation requests one tenant may have in flight at once (429 past it).
+    max_requests_per_tenant: int = 256
+    # Requests without a session id continue the session of the conversation they extend: "chat" (chat,
+    # Responses and Messages turns), "all" (raw completions too), "off".
+    implicit_sessions: str = "chat"
+    # Sessions found by content kept at most (the least recently used idle one is closed past it).
+    max_implicit_sessions: int = 256
+    # Threads that render chat templates and tokenize, off the event loop and the engine thread.
+    tokenize_threads: int = 2
+    # Where Responses API responses are stored for previous_response_id: None (SQLite in memory),
+    # "sqlite:///file.db", "redis://host:port/db" (shared by replicas), "memory://".
+    response_store: str | None = None
+    # How long a stored response can be continued or read back, in seconds.
+    response_ttl_s: float = 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.implicit_sessions not in ("chat", "all", "off"):
+            raise ValueError(f"implicit_sessions must be chat, all or off, not {self.implicit_sessions!r}")
+        for name in ("max_queued_requests", "max_request_bytes", "max_sessions_per_tenant",
+                     "max_requests_per_tenant", "max_implicit_sessions", "tokenize_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.response_ttl_s <= 0:
+            raise ValueError("response_ttl_s must be positive")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole engine configuration."""
 

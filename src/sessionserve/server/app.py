@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sessionserve.config import ServerConfig
 from sessionserve.core.session_manager import SessionBusyError
 from sessionserve.llm_engine import LLMEngine
 from sessionserve.obs.cpu_roles import ENGINE, TOKENIZE, CpuRoles, RoleMeter, RolePool
@@ -60,23 +61,23 @@ class ServerState:
     tracer: Tracer
     model_name: str
     created: int
-    max_request_bytes: int
-    max_sessions_per_tenant: int
+    config: ServerConfig = field(default_factory=ServerConfig)
     # Sessions found from the conversation when a request names none (None: off).
     implicit: ImplicitSessions | None = None
-    # Generation requests in flight per tenant, and the most each may have (beyond: 429).
-    max_requests_per_tenant: int = 256
+    # Generation requests in flight per tenant (at most config.max_requests_per_tenant).
     in_flight: dict[str, int] = field(default_factory=dict)
     # Every served model by name, the default one first; other names clients may use for them.
     models: dict[str, ModelSlot] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     # How `model: "auto"` chooses between two of them (None: no `auto`).
     route: ModelRoutePolicy | None = None
-    # Whether /v1/completions without a session id also finds its conversation (chat always does when on).
-    implicit_completions: bool = False
     # CPU roles: prompt rendering/tokenization on its own pool; each engine thread metered (and maybe pinned).
     roles: CpuRoles = field(default_factory=CpuRoles)
     tokenize_pool: RolePool = field(default_factory=lambda: RolePool(TOKENIZE, 2))
+
+    @property
+    def implicit_completions(self) -> bool:
+        return self.config.implicit_sessions == "all"
 
     @property
     def default(self) -> ModelSlot:
@@ -84,27 +85,22 @@ class ServerState:
 
 
 def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | None = None, auth: Auth | None = None,
-               max_queued_requests: int = 1024, max_request_bytes: int = 8 << 20,
-               max_sessions_per_tenant: int = 1000, tracer: Tracer | None = None,
-               implicit_sessions: bool | str = True, max_implicit_sessions: int = 256,
-               max_requests_per_tenant: int = 256, route: ModelRoutePolicy | None = None,
-               tokenize_threads: int = 2, tokenize_cpus: frozenset[int] | None = None,
-               engine_cpus: frozenset[int] | None = None, response_store: ResponseStore | None = None,
-               aliases: dict[str, str] | None = None) -> FastAPI:
+               tracer: Tracer | None = None, route: ModelRoutePolicy | None = None,
+               tokenize_cpus: frozenset[int] | None = None, engine_cpus: frozenset[int] | None = None,
+               response_store: ResponseStore | None = None, aliases: dict[str, str] | None = None,
+               config: ServerConfig | None = None, **settings: Any) -> FastAPI:
     """The app over one engine, or over several (`{served name: engine}`, the first is the default).
 
-    With several, `route` (default: `default_route`) serves `model: "auto"`.
-    `implicit_sessions`: True or "chat" (chat requests without a session id continue their conversation's
-    session), "all" (completions with token-id or text prompts too), False or "off".
-    CPU roles: chat rendering and tokenization run on `tokenize_threads` threads (pinned to `tokenize_cpus`),
-    each engine's loop on its own thread (pinned to `engine_cpus`); /metrics reports each role's busy time.
-    `response_store` keeps Responses API responses (default: SQLite in memory); `aliases` maps other names
-    clients use (`--served-model-name`) to served model names.
+    With several, `route` (default: `default_route`) serves `model: "auto"`. `config` holds the server's
+    settings (config.ServerConfig); `settings` override single fields of it (e.g. `max_queued_requests=8`).
+    CPU roles: chat rendering and tokenization run on `config.tokenize_threads` threads (pinned to
+    `tokenize_cpus`), each engine's loop on its own thread (pinned to `engine_cpus`); /metrics reports each
+    role's busy time. `response_store` keeps Responses API responses (default: `config.response_store`);
+    `aliases` maps other names clients use (`--served-model-name`) to served model names.
     """
-    if implicit_sessions not in (True, False, "chat", "all", "off"):
-        raise ValueError(f"implicit_sessions must be chat, all or off, not {implicit_sessions!r}")
-    implicit_completions = implicit_sessions == "all"
-    implicit_sessions = implicit_sessions not in (False, "off")
+    if "implicit_sessions" in settings and isinstance(settings["implicit_sessions"], bool):
+        settings["implicit_sessions"] = "chat" if settings["implicit_sessions"] else "off"
+    config = replace(config or ServerConfig(), **settings)
     engines = dict(engine) if isinstance(engine, dict) else {model_name or engine.model_dir.name: engine}
     if not engines:
         raise ValueError("create_app needs at least one engine")
@@ -125,20 +121,20 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
         return sample
 
     slots = {
-        n: ModelSlot(n, e, AsyncEngine(e, max_queued_requests=max_queued_requests, cpus=engine_cpus,
+        n: ModelSlot(n, e, AsyncEngine(e, max_queued_requests=config.max_queued_requests, cpus=engine_cpus,
                                        on_step=on_step(n, roles.add(RoleMeter(
                                            ENGINE if len(engines) == 1 else f"{ENGINE}:{n}", 1)))),
-                     ImplicitSessions(e.runner.block_size, max_implicit_sessions) if implicit_sessions else None)
+                     ImplicitSessions(e.runner.block_size, config.max_implicit_sessions)
+                     if config.implicit_sessions != "off" else None)
         for n, e in engines.items()}
-    tokenize_pool = RolePool(TOKENIZE, tokenize_threads, tokenize_cpus)
+    tokenize_pool = RolePool(TOKENIZE, config.tokenize_threads, tokenize_cpus)
     roles.add(tokenize_pool.meter)
     first = slots[name]
     engine = first.engine
     bridge = first.bridge
     state = ServerState(engine, bridge, auth or Auth(), metrics, tracer or Tracer(None), name, int(time.time()),
-                        max_request_bytes, max_sessions_per_tenant, first.implicit, max_requests_per_tenant,
-                        models=slots, route=route, implicit_completions=implicit_completions, roles=roles,
-                        tokenize_pool=tokenize_pool, aliases=dict(aliases or {}))
+                        config, first.implicit, models=slots, aliases=dict(aliases or {}), route=route, roles=roles,
+                        tokenize_pool=tokenize_pool)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -169,8 +165,8 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
                                                   code="invalid_api_key"), state, path)
             request.state.tenant = tenant
             length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > state.max_request_bytes:
-                return error_response(OpenAIError(413, f"Request body over {state.max_request_bytes} bytes.",
+            if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
+                return error_response(OpenAIError(413, f"Request body over {config.max_request_bytes} bytes.",
                                                   "invalid_request_error", code="request_too_large"), state, path)
         response = await call_next(request)
         response.headers["x-request-id"] = request.state.request_id
@@ -230,7 +226,8 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
     app.state.pipeline = pipeline
     for api in (chat_completions, completions):
         api.register(app, pipeline)
-    responses.register(app, pipeline, response_store or make_response_store(None))
+    responses.register(app, pipeline, response_store or make_response_store(config.response_store,
+                                                                             config.response_ttl_s))
     messages.register(app, pipeline, state)
     register_sessions(app, state)
     return app
@@ -261,7 +258,7 @@ async def read_body(request: Request) -> bytes:
     the client declared a length (a chunked upload is never held in memory past the limit)."""
     if hasattr(request, "_body"):  # already read
         return request._body
-    limit = request.app.state.ss.max_request_bytes
+    limit = request.app.state.ss.config.max_request_bytes
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

@@ -76,7 +76,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             if eng.get_session(key) is not None:
                 raise P.OpenAIError(409, f"Session '{sid}' already exists.", "invalid_request_error",
                                     param="session_id", code="session_exists")
-            check_session_limit(eng, tenant, state.max_sessions_per_tenant)
+            check_session_limit(eng, tenant, state.config.max_sessions_per_tenant)
             eng.open_session(key, tenant=tenant, priority=priority)
             return session_object(eng.get_session(key), sid)
 
@@ -97,7 +97,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             if eng.get_session(child_key) is not None:
                 raise P.OpenAIError(409, f"Session '{child}' already exists.", "invalid_request_error",
                                     param="session_id", code="session_exists")
-            check_session_limit(eng, tenant, state.max_sessions_per_tenant)
+            check_session_limit(eng, tenant, state.config.max_sessions_per_tenant)
             eng.fork_session(key, child_key)
             return {**session_object(eng.get_session(child_key), child), "forked_from": sid}
 

@@ -36,9 +36,9 @@ MOVE_WAIT_S = 10.0
 
 def check_in_flight(state: ServerState, tenant: str) -> None:
     """429 when `tenant` already has its limit of generation requests in flight."""
-    if state.in_flight.get(tenant, 0) >= state.max_requests_per_tenant:
+    if state.in_flight.get(tenant, 0) >= state.config.max_requests_per_tenant:
         raise P.OpenAIError(429, f"Too many requests in flight for this API key (limit "
-                                 f"{state.max_requests_per_tenant}).", "rate_limit_error", code="too_many_requests")
+                                 f"{state.config.max_requests_per_tenant}).", "rate_limit_error", code="too_many_requests")
 
 
 def make_params(sampling: dict, max_tokens: int | None, num_prompt: int, eng: LLMEngine, clamp: bool = False,

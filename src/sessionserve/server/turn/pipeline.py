@@ -253,7 +253,7 @@ class TurnPipeline:
             if target.explicit:
                 assert target.key is not None
                 if e.get_session(target.key) is None:
-                    check_session_limit(e, tenant, state.max_sessions_per_tenant)
+                    check_session_limit(e, tenant, state.config.max_sessions_per_tenant)
                 new, reused = continue_session(e, target.key, prompt, tenant, priority)
                 metrics.continuations.labels(slot.name, "prefix" if reused else "new").inc()
                 return Turn(new, target.key)
@@ -280,7 +280,7 @@ class TurnPipeline:
         def prepare(e: LLMEngine) -> Turn:
             if target.key is not None:
                 if e.get_session(target.key) is None:
-                    check_session_limit(e, tenant, state.max_sessions_per_tenant)
+                    check_session_limit(e, tenant, state.config.max_sessions_per_tenant)
                 new, _ = continue_session(e, target.key, prompt, tenant, turn.priority or "interactive")
                 return Turn(new, target.key)
             index = slot.implicit
