@@ -233,6 +233,16 @@ def test_close_or_resume_mid_move_leaks_nothing(tiny_llama: Path, tmp_path: Path
     r = ref.open_session()
     assert [run_to_end(ref, ref.add_request(t, GREEDY, session_id=r)) for t in ts[:3]] == [first, second, third]
     eng.close_session(c)
+    # Cut back (the client rewrote its history) while offloading: the copy out is cancelled and the device
+    # copy cut at once; no wait, no error, output unchanged.
+    d = eng.open_session()
+    d_first = run_to_end(eng, eng.add_request(ts[0] + ts[1], GREEDY, session_id=d))
+    eng.sessions.apply(ResidencyAction(ActionKind.OFFLOAD, d, tier), time.monotonic())
+    assert eng.get_session(d).residency is Residency.OFFLOADING
+    eng.sessions.truncate(eng.get_session(d), len(ts[0]))
+    assert eng.get_session(d).residency is Residency.DEVICE
+    assert run_to_end(eng, eng.add_request(ts[1], GREEDY, session_id=d)) == d_first
+    eng.close_session(d)
     for _ in range(400):
         eng.sessions.tick(time.monotonic(), 0)
         if not eng.sessions.num_moves_pending:

@@ -172,6 +172,12 @@ class SessionManager:
             return
         self._touch(session.session_id)
         # The KV first: if it cannot be cut now, the session is left exactly as it was.
+        if session.residency is Residency.OFFLOADING:
+            # Its device copy is still whole: keep it and cancel the copy out (as a resumed turn does), so
+            # a client's rewrite never waits for an offload.
+            assert self.mover is not None
+            self.mover.discard(session.session_id)
+            session.residency, session.stored_tier = Residency.DEVICE, None
         if session.num_computed_tokens > num_tokens:
             if session.residency is Residency.DEVICE:
                 session.num_computed_tokens = self.kv.trim(session.kv_key, num_tokens)
