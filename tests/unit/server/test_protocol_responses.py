@@ -13,7 +13,10 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from sessionserve.server import protocol as P
-from sessionserve.server.tool_parser import StreamingToolParser, parse_tool_calls
+from sessionserve.core.guided import ToolFormat
+from sessionserve.server.api.chat_completions import tool_call_dict
+from sessionserve.server.turn.tool_calls import Event, parse_output, tool_call_stream
+from sessionserve.server.turn.types import TextDelta, ToolCallDelta, ToolCallStart
 
 USAGE = P.usage_dict(prompt_tokens=10, completion_tokens=4, cached_tokens=8)
 LOGPROBS = [P.TokenLogprob("Hi", -0.1, top=(P.TokenLogprob("Hi", -0.1), P.TokenLogprob("Yo", float("-inf")))),
@@ -21,6 +24,24 @@ LOGPROBS = [P.TokenLogprob("Hi", -0.1, top=(P.TokenLogprob("Hi", -0.1), P.TokenL
 MODEL_OUTPUT = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def parse_tool_calls(text: str, names: set[str] | None) -> tuple[str | None, list[dict[str, Any]]]:
+    """The content and tool calls a chat completion carries for a finished output (as the route builds them)."""
+    content, calls, _ = parse_output(text, names, ToolFormat.HERMES)
+    return content, [tool_call_dict(c) for c in calls]
+
+
+def chunk_delta(event: Event) -> dict[str, Any] | None:
+    """The chat chunk delta of a parser event, as the streaming route sends it."""
+    if isinstance(event, TextDelta):
+        return {"content": event.text}
+    if isinstance(event, ToolCallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    if isinstance(event, ToolCallDelta):
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
+    return None
 
 
 def test_chat_completion_with_tool_calls_and_logprobs() -> None:
@@ -54,11 +75,11 @@ def test_finish_reason_mapping() -> None:
 
 def stream_chunks(text_pieces: list[str], include_usage: bool) -> list[dict[str, Any]]:
     """The chunks a route sends for a streamed chat reply with tools."""
-    parser = StreamingToolParser({"get_weather"})
+    parser = tool_call_stream(ToolFormat.HERMES, {"get_weather"})
     chunks = [P.chat_chunk("c", 1, "m", {"role": "assistant", "content": ""})]
     events = [e for piece in text_pieces for e in parser.feed(piece)] + parser.finish()
-    chunks += [P.chat_chunk("c", 1, "m", delta) for delta in events]
-    chunks.append(P.chat_chunk("c", 1, "m", {}, finish_reason=P.chat_finish_reason("stop", bool(parser.tool_calls))))
+    chunks += [P.chat_chunk("c", 1, "m", delta) for delta in map(chunk_delta, events) if delta is not None]
+    chunks.append(P.chat_chunk("c", 1, "m", {}, finish_reason=P.chat_finish_reason("stop", bool(parser.calls))))
     if include_usage:
         chunks.append(P.chat_chunk("c", 1, "m", None, usage=USAGE))
     return chunks

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from sessionserve.router.model_route import step_view, validate_tool_calls
 from sessionserve.server import protocol as P
 from sessionserve.server.app import AUTO_MODEL
+from sessionserve.server.turn.tool_calls import has_call_markup
 from sessionserve.server.turn.types import ToolCall, TurnRequest
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ def answer_problem(text: str, content: str | None, tool_calls: list[ToolCall], t
                    tool_choice: Any) -> str | None:
     """Why an answer to a request with tools is unusable (a reason for escalation), or None."""
     if not tool_calls:
-        if "<tool_call>" in text:
+        if has_call_markup(text):
             return "malformed tool call"
         if tool_choice == "required" or isinstance(tool_choice, dict):
             return "no tool call"

@@ -46,7 +46,7 @@ from sessionserve.server.turn.generate import (
 )
 from sessionserve.server.turn.identity import session_key
 from sessionserve.server.turn.model_choice import ModelChooser, answer_problem
-from sessionserve.server.turn.tool_calls import ToolCallStream
+from sessionserve.server.turn.tool_calls import ToolCallStream, tool_call_stream
 from sessionserve.server.turn.types import (
     Continuation,
     SessionPoint,
@@ -339,7 +339,7 @@ class ActiveTurn:
         assert self.outputs is not None and not self._done
         self._done = True
         turn = self.turn
-        parser = ToolCallStream(turn.tool_names) if turn.uses_tools else None
+        parser = tool_call_stream(self.slot.engine.tokenizer.tool_format, turn.tool_names) if turn.uses_tools else None
         text: list[str] = []
         try:
             async for out in self.outputs:
