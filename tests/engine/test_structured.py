@@ -1,5 +1,6 @@
 """Structured outputs end to end on the tiny random-weight llama: its raw output is gibberish,
-so every valid JSON / tool call here is the grammar's doing. Also the compiler's mask details."""
+so every valid JSON / tool call here is the grammar's doing. Tool calls in each family's format, read
+back by that family's parser. Also the compiler's mask details."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from sessionserve import LLM, SamplingParams
-from sessionserve.core.guided import GuidedDecoding
+from sessionserve.core.guided import GuidedDecoding, ToolFormat
 from sessionserve.model.structured import GrammarCompiler, apply_constraints
+from sessionserve.server.turn.tool_calls import parse_output
 
 # Bounded strings and integers: random weights otherwise write unbounded strings and digits.
 PERSON = {"type": "object", "properties": {
@@ -36,9 +38,39 @@ SAMPLINGS = [dict(temperature=0.0), dict(temperature=1.0, seed=7)]
 BLOCK = re.compile(r'<tool_call>\n(\{.*?\})\n</tool_call>', re.S)
 
 
+# A Mistral v11-style template: the model's own tool format is `[TOOL_CALLS]name[ARGS]{...}`.
+MISTRAL_ARGS_TEMPLATE = ("{% for m in messages %}[INST]{{ m.content }}[/INST]{% for c in m.tool_calls | default([]) %}"
+                         "[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}"
+                         "{% endfor %}")
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llama: Path) -> LLM:
     return LLM(model=str(tiny_llama), num_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with a Mistral v11-style template and `[TOOL_CALLS]` / `[ARGS]` as special tokens
+    (in place of two of its added tokens)."""
+    path = tmp_path_factory.mktemp("tiny-mistral")
+    for f in tiny_llama.iterdir():
+        shutil.copy(f, path / f.name)
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    renamed = {"<tool_response>": "[TOOL_CALLS]", "</tool_response>": "[ARGS]"}
+    for token in tokenizer["added_tokens"]:
+        if token["content"] in renamed:
+            token["content"], token["special"] = renamed[token["content"]], True
+    vocab = tokenizer["model"]["vocab"]
+    for old, new in renamed.items():
+        if old in vocab:
+            vocab[new] = vocab.pop(old)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = MISTRAL_ARGS_TEMPLATE
+    config.pop("added_tokens_decoder", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
 
 
 def check_schema(value: Any, schema: dict[str, Any]) -> None:
@@ -125,6 +157,43 @@ def test_tool_calls_named_single(llm: LLM, sampling: dict[str, Any]) -> None:
         assert [c["name"] for c in parse_tool_calls(llm, out)] == ["add"]
 
 
+def check_calls(llm: LLM, out: Any, fmt: ToolFormat, names: list[str] | None = None) -> None:
+    """The output's text (as the engine streams it) holds nothing but calls in `fmt`, each matching its
+    tool's schema; the last one may be cut when the output ran to its token limit, else it ended on EOS."""
+    if out.finish_reason != "length":
+        body(llm, out)
+    text = out.text
+    content, calls, cut = parse_output(text, set(SCHEMAS), fmt)
+    assert content is None and calls and (out.finish_reason == "length" or not cut), text
+    assert names is None or [c.name for c in calls] == names
+    for call in calls:
+        check_schema(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+@pytest.mark.parametrize("fmt", [ToolFormat.LLAMA3_JSON, ToolFormat.MISTRAL, ToolFormat.MISTRAL_ARGS])
+def test_tool_calls_in_each_format(llm: LLM, fmt: ToolFormat) -> None:
+    # Random weights go on calling in parallel until the token limit; one call ends on EOS.
+    parallel = SamplingParams(max_tokens=100, temperature=1.0, seed=3,
+                              guided=GuidedDecoding.tool_calls(TOOLS, format=fmt))
+    for out in llm.generate(PROMPTS[:2], parallel):
+        check_calls(llm, out, fmt)
+    single = SamplingParams(max_tokens=200, temperature=0, guided=GuidedDecoding.tool_calls(TOOLS, "add", False, fmt))
+    for out in llm.generate(PROMPTS[:2], single):
+        assert out.finish_reason == "stop"
+        check_calls(llm, out, fmt, ["add"])
+
+
+def test_tool_calls_in_the_models_format_with_special_markers(tiny_mistral: Path) -> None:
+    llm = LLM(model=str(tiny_mistral), num_blocks=32)
+    assert llm.tokenizer.tool_format is ToolFormat.MISTRAL_ARGS
+    marker = llm.tokenizer.token_to_id("[TOOL_CALLS]")
+    params = [SamplingParams(max_tokens=200, temperature=t, seed=5, guided=GuidedDecoding.tool_calls(TOOLS))
+              for t in (0.0, 1.0)]
+    for out in llm.generate(PROMPTS[:2], params):
+        assert out.token_ids.count(marker) >= 1  # the marker token, not its spelling
+        check_calls(llm, out, ToolFormat.MISTRAL_ARGS)  # the engine's text keeps the special markers
+
+
 def test_mixed_batch_leaves_unconstrained_rows_alone(llm: LLM) -> None:
     plain = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
              SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)]
@@ -188,6 +257,34 @@ def test_markers_stay_out_of_strings_and_stops_follow_termination(tiny_llama: Pa
         assert r.accept(begin) and all(r.accept(t) for t in compiler._tok.encode(f'\n{{"name": "{name}"').ids)
     r = compiler.constraint(GuidedDecoding.tool_calls(TOOLS))
     assert r.accept(begin) and not all(r.accept(t) for t in compiler._tok.encode('\n{"name": "mul"').ids)
+
+
+def test_special_markers_only_where_the_grammar_wants_them(tiny_mistral: Path) -> None:
+    compiler = GrammarCompiler(tiny_mistral)
+    marker, args = compiler._single_token("[TOOL_CALLS]"), compiler._single_token("[ARGS]")
+    assert compiler.tool_format is ToolFormat.MISTRAL_ARGS and marker is not None and args is not None
+    c = compiler.constraint(GuidedDecoding.tool_calls(TOOLS))
+    logits = torch.zeros(1, compiler.vocab_size)
+    apply_constraints(logits, [c])
+    assert allowed(logits[0]) == {marker}
+    assert c.accept(marker) and all(c.accept(t) for t in compiler._tok.encode("get_weather").ids)
+    logits.zero_()
+    apply_constraints(logits, [c])
+    assert allowed(logits[0]) == {args}
+    assert c.accept(args) and all(c.accept(t) for t in compiler._tok.encode('{"city": "').ids)
+    logits.zero_()
+    apply_constraints(logits, [c])
+    assert len(allowed(logits[0])) > 1000 and marker not in allowed(logits[0])  # not inside a string
+    assert all(c.accept(t) for t in compiler._tok.encode('x", "unit": "c"}').ids)
+    logits.zero_()
+    apply_constraints(logits, [c])
+    assert allowed(logits[0]) == {marker, *compiler.stop_token_ids}  # another call, or the end
+    # A JSON answer never holds the marker token either.
+    j = compiler.constraint(GuidedDecoding.json_schema({"type": "string"}))
+    assert j.accept(compiler._tok.token_to_id('"'))
+    logits.zero_()
+    apply_constraints(logits, [j])
+    assert len(allowed(logits[0])) > 1000 and marker not in allowed(logits[0])
 
 
 def test_padded_model_vocab_is_masked_and_bad_specs_raise(tiny_llama: Path, tmp_path: Path) -> None:

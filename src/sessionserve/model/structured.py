@@ -7,9 +7,16 @@ cached by spec. A `Constraint` is one request's grammar state; each step
 batch and applies it to the logits in place (a C++ fill per row, a vectorised
 apply for the batch: no Python loop over the vocabulary).
 
-Tool calls use the chat template's format: blocks of
-`<tool_call>\\n{"name": "<NAME>", "arguments": <ARGS>}\\n</tool_call>`
-separated by "\\n", the markers matched as their dedicated tokens.
+Tool calls are written in the model's format (`ToolFormat`, from its chat
+template, unless the constraint names one), arguments as compact JSON:
+
+    hermes        <tool_call>\\n{"name": "<NAME>", "arguments": <ARGS>}\\n</tool_call>, "\\n" between calls
+    llama3_json   {"name": "<NAME>", "parameters": <ARGS>}, "; " between calls
+    mistral       [TOOL_CALLS] [{"name": "<NAME>", "arguments": <ARGS>}, ...]
+    mistral_args  [TOOL_CALLS]<NAME>[ARGS]<ARGS> per call
+
+Markers are matched as their dedicated tokens where the tokenizer has them
+(special tokens included), never as other spellings of their text.
 """
 
 from __future__ import annotations
@@ -25,13 +32,20 @@ import torch
 import xgrammar as xgr
 from tokenizers import Tokenizer as _HFTokenizer
 
-from sessionserve.core.guided import GuidedDecoding
+from sessionserve.core.guided import GuidedDecoding, ToolFormat, tool_format_of
 from sessionserve.model.hf_config import load_arch
+from sessionserve.model.tokenizer import read_chat_template
 
 logger = logging.getLogger(__name__)
 
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
+MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
+# Markers that open or close a call: kept out of JSON strings (parsers look for them there).
+_GUARDED_MARKERS = (TOOL_CALL_BEGIN, TOOL_CALL_END, MISTRAL_TOOL_CALLS)
+# Markers the grammars emit: grammar text even where the tokenizer marks them special.
+_GRAMMAR_MARKERS = (*_GUARDED_MARKERS, MISTRAL_ARGS)
 _CACHE_MAX_ENTRIES = 256
 _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
@@ -48,7 +62,9 @@ class GrammarCompiler:
         self._tok = _HFTokenizer.from_str(tokenizer_json)
         # The mask must cover the model's logits, which may be wider than the tokenizer.
         self.vocab_size = arch.vocab_size
+        self.tool_format = tool_format_of(read_chat_template(path))
         special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        special -= set(_GRAMMAR_MARKERS)
         encoded = [""] * self.vocab_size
         for token, token_id in self._tok.get_vocab(with_added_tokens=True).items():
             if token_id < self.vocab_size:
@@ -66,8 +82,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        self.marker_token_ids = tuple(i for i in map(self._single_token, (TOOL_CALL_BEGIN, TOOL_CALL_END))
-                                      if i is not None)
+        self.marker_token_ids = tuple(i for i in map(self._single_token, _GUARDED_MARKERS) if i is not None)
 
     def compile(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
         """The compiled grammar for `guided` (cached). Raises ValueError for a spec xgrammar rejects."""
@@ -89,8 +104,7 @@ class GrammarCompiler:
 
     def constraint(self, guided: GuidedDecoding, stop_token_ids: tuple[int, ...] = ()) -> Constraint:
         """A fresh per-request matcher; `stop_token_ids` (a request's own) end the output too, besides EOS."""
-        return Constraint(self, self.compile(guided), stop_token_ids,
-                          guard_markers=guided.kind == "tool_calls")
+        return Constraint(self, self.compile(guided), stop_token_ids, marker_ids=self.marker_token_ids)
 
     def bitmask(self, num_rows: int) -> torch.Tensor:
         """A reusable (num_rows, ceil(vocab / 32)) int32 CPU bitmask; rows are overwritten by fills."""
@@ -110,22 +124,35 @@ class GrammarCompiler:
         raise ValueError(f"unknown guided decoding kind {guided.kind!r}")
 
     def tool_calls_structural_tag(self, guided: GuidedDecoding) -> dict[str, Any]:
-        """xgrammar structural tag for `guided` (kind tool_calls): one or more tool-call blocks."""
-        spec = guided.spec_value()
-        tags = []
-        for tool in guided.allowed_tools():
-            head = '\n{"name": ' + json.dumps(tool["name"], ensure_ascii=False) + ', "arguments": '
-            # EBNF, not the structural tag's json_schema format: that one allows free whitespace.
-            args = _json_ebnf(tool["parameters"])
-            tags.append({"type": "tag", "begin": self._marker(TOOL_CALL_BEGIN),
-                         "content": {"type": "sequence", "elements": [
-                             {"type": "const_string", "value": head},
-                             {"type": "grammar", "grammar": args},
-                             {"type": "const_string", "value": "}\n"}]},
-                         "end": self._marker(TOOL_CALL_END)})
-        return {"type": "structural_tag",
-                "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
-                           "at_least_one": True, "stop_after_first": not spec["parallel"]}}
+        """xgrammar structural tag for `guided` (kind tool_calls): one or more calls in the tool format."""
+        parallel = bool(guided.spec_value()["parallel"])
+        tools = guided.allowed_tools()
+        # EBNF, not the structural tag's json_schema format: that one allows free whitespace.
+        args = {t["name"]: {"type": "grammar", "grammar": _json_ebnf(t["parameters"])} for t in tools}
+        tool_format = guided.tool_format() or self.tool_format
+        if tool_format is ToolFormat.HERMES:
+            tags = [{"type": "tag", "begin": self._marker(TOOL_CALL_BEGIN),
+                     "content": {"type": "sequence", "elements": [
+                         _const('\n{"name": ' + _json_text(name) + ', "arguments": '), grammar, _const("}\n")]},
+                     "end": self._marker(TOOL_CALL_END)} for name, grammar in args.items()]
+            calls = _separated(tags, "\n", parallel)
+        elif tool_format is ToolFormat.LLAMA3_JSON:
+            calls = _separated([_call_object(name, "parameters", grammar) for name, grammar in args.items()],
+                               "; ", parallel)
+        elif tool_format is ToolFormat.MISTRAL:
+            objects = _separated([_call_object(name, "arguments", grammar) for name, grammar in args.items()],
+                                 ", ", parallel)
+            calls = {"type": "sequence", "elements": [self._marker_format(MISTRAL_TOOL_CALLS), _const(" ["),
+                                                      objects, _const("]")]}
+        else:
+            assert tool_format is ToolFormat.MISTRAL_ARGS
+            one = [{"type": "sequence", "elements": [self._marker_format(MISTRAL_TOOL_CALLS), _const(name),
+                                                     self._marker_format(MISTRAL_ARGS), grammar]}
+                   for name, grammar in args.items()]
+            calls = one[0] if len(one) == 1 else {"type": "or", "elements": one}
+            if parallel:
+                calls = {"type": "plus", "content": calls}
+        return {"type": "structural_tag", "format": calls}
 
     def _single_token(self, text: str) -> int | None:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -136,6 +163,11 @@ class GrammarCompiler:
         # not as any spelling of its text; fall back to text when it is not a single token.
         token_id = self._single_token(text)
         return text if token_id is None else {"type": "token", "token": token_id}
+
+    def _marker_format(self, text: str) -> dict[str, Any]:
+        """The marker as an element of a sequence."""
+        marker = self._marker(text)
+        return _const(marker) if isinstance(marker, str) else marker
 
     def _eos_from_config(self, path: Path) -> tuple[int, ...]:
         cfg_path = path / "tokenizer_config.json"
@@ -150,13 +182,13 @@ class GrammarCompiler:
 class Constraint:
     """One request's position in its grammar: fills its mask row, advances on each sampled token."""
 
-    __slots__ = ("compiler", "guard_markers", "num_seen_tokens", "_matcher", "_stop_ids")
+    __slots__ = ("compiler", "marker_ids", "num_seen_tokens", "_matcher", "_stop_ids")
 
     def __init__(self, compiler: GrammarCompiler, compiled: xgr.CompiledGrammar,
-                 stop_token_ids: tuple[int, ...] = (), guard_markers: bool = False) -> None:
+                 stop_token_ids: tuple[int, ...] = (), marker_ids: tuple[int, ...] = ()) -> None:
         self.compiler = compiler
-        # Tool-call markers are allowed only where the grammar wants nothing else (see apply_constraints).
-        self.guard_markers = guard_markers
+        # Tool-call marker tokens, allowed only where the grammar wants no other text (see apply_constraints).
+        self.marker_ids = marker_ids
         override = sorted(set(compiler.stop_token_ids) | set(stop_token_ids)) if stop_token_ids else None
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=override)
         self._stop_ids = tuple(override or compiler.stop_token_ids)
@@ -206,9 +238,14 @@ def apply_constraints(logits: torch.Tensor, constraints: list[Constraint | None]
     masked = [i for i in rows if constraints[i].fill_mask(bitmask, i)]  # type: ignore[union-attr]
     if not masked:
         return
-    guarded = [i for i in masked if constraints[i].guard_markers]  # type: ignore[union-attr]
-    if guarded and compiler.marker_token_ids:
-        _markers_only_alone(bitmask, guarded, compiler.marker_token_ids)
+    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for i in masked:
+        c = constraints[i]
+        assert c is not None
+        if c.marker_ids:
+            groups.setdefault((c.marker_ids, c._stop_ids), []).append(i)
+    for (marker_ids, stop_ids), group in groups.items():
+        _markers_only_alone(bitmask, group, marker_ids, stop_ids)
     vocab_size = min(logits.shape[-1], compiler.vocab_size)
     if logits.device.type == "cpu":
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=masked)
@@ -219,6 +256,26 @@ def apply_constraints(logits: torch.Tensor, constraints: list[Constraint | None]
     except ImportError:  # no triton on this install: xgrammar's plain-torch kernel
         xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=vocab_size, indices=masked,
                                         backend="torch_native")
+
+
+def _const(text: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": text}
+
+
+def _json_text(value: str) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _call_object(name: str, key: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """`{"name": <name>, "<key>": <arguments>}` as a tag: the name and key fixed, then the arguments grammar."""
+    return {"type": "tag", "begin": '{"name": ' + _json_text(name) + f', "{key}": ', "content": arguments,
+            "end": "}"}
+
+
+def _separated(tags: list[dict[str, Any]], separator: str, parallel: bool) -> dict[str, Any]:
+    """One of `tags`, or (parallel) one or more separated by `separator`."""
+    return {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
+            "stop_after_first": not parallel}
 
 
 def _json_ebnf(schema: dict[str, Any] | str, strict: bool = True) -> str:
@@ -234,23 +291,27 @@ def _json_ebnf(schema: dict[str, Any] | str, strict: bool = True) -> str:
     return ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
-def _markers_only_alone(bitmask: torch.Tensor, rows: list[int], marker_ids: tuple[int, ...]) -> None:
-    """Clear the marker tokens' bits in `rows` that allow any other token too.
+def _markers_only_alone(bitmask: torch.Tensor, rows: list[int], marker_ids: tuple[int, ...],
+                        stop_ids: tuple[int, ...]) -> None:
+    """Clear the marker tokens' bits in `rows` that allow other text tokens too.
 
     Markers such as `<tool_call>` are ordinary text to xgrammar, so a JSON string may
-    contain them, which would break parsers that split on them. The tool-call grammar
-    wants a marker only where it is the sole choice (begin at the start or after the
-    separator, end right after the arguments), so a row that allows a marker among
-    others is inside a string.
+    contain them, which would break parsers that split on them. The tool-call grammars
+    want a marker only where it is the sole text token (a call's begin at the start or
+    after the separator, or after a call where the output may also end; the end right
+    after the arguments), so a row that allows a marker among other text tokens is
+    inside a string (or a grammar that has no markers at all).
     """
     index = torch.tensor(rows, dtype=torch.long)
-    without = bitmask[index]  # (k, W) copy
-    for token_id in marker_ids:
+    others = bitmask[index]  # (k, W) copy
+    for token_id in (*marker_ids, *stop_ids):
         word, bit = divmod(token_id, 32)
-        without[:, word] &= ~_int32_bit(bit)
-    others = without.any(dim=1)
-    if bool(others.any()):
-        bitmask[index[others]] = without[others]
+        others[:, word] &= ~_int32_bit(bit)
+    inside = index[others.any(dim=1)]
+    if len(inside):
+        for token_id in marker_ids:
+            word, bit = divmod(token_id, 32)
+            bitmask[inside, word] &= ~_int32_bit(bit)
 
 
 def _int32_bit(bit: int) -> int:
