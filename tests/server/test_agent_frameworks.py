@@ -282,7 +282,7 @@ def test_pydantic_ai_responses_model_tool_loop(server: LiveServer, chain: bool, 
 def test_langchain_responses_api_tool_loop(server: LiveServer, chain: bool, stream: bool) -> None:
     """langchain's ChatOpenAI with `use_responses_api=True` in a hand-written tool loop: `bind_tools` with
     `tool_choice` naming the tool, the tool's ToolMessage back, and a second turn with the tool offered freely
-    (it writes text until max tokens and ends `incomplete`, which langchain returns as the answer)."""
+    (it writes text until it ends or reaches max tokens; langchain returns it as the answer either way)."""
     pytest.importorskip("langchain_openai")
     from langchain_core.messages import AIMessage, HumanMessage
     from langchain_core.tools import tool
@@ -312,7 +312,8 @@ def test_langchain_responses_api_tool_loop(server: LiveServer, chain: bool, stre
     assert len(calls) == 1 and calls[0] in CMDS
     assert wait_finished(server, before, 2) == 2
     assert first.response_metadata["status"] == "completed"
-    assert second.response_metadata["status"] == "incomplete"
-    assert second.response_metadata["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert second.response_metadata["status"] in ("completed", "incomplete")
+    if second.response_metadata["status"] == "incomplete":
+        assert second.response_metadata["incomplete_details"] == {"reason": "max_output_tokens"}
     check_wire(rec, {"type": "function", "name": "run"}, first.tool_calls[0]["id"], first.id if chain else None,
                stream)

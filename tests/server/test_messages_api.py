@@ -112,3 +112,28 @@ def test_errors_are_anthropic_errors(server: LiveServer) -> None:
                    headers={"x-api-key": "key-alice"})
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_parallel_requests_of_one_session_fork_instead_of_failing(server: LiveServer) -> None:
+    """Sub-agents share Claude Code's session header: turns that run at the same time on one conversation fork
+    it (each continues the shared history) instead of a 409."""
+    import concurrent.futures
+
+    c = client(server)
+    headers = {"X-Claude-Code-Session-Id": "cc-parallel"}
+    msgs = [{"role": "user", "content": "Plan the work, then split it."}]
+    first = c.messages.create(model="tiny", max_tokens=100, tools=TOOLS, tool_choice={"type": "any"}, messages=msgs,
+                              extra_body={"temperature": 0}, extra_headers=headers)
+    use = next(b for b in first.content if b.type == "tool_use")
+    history = msgs + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]}]
+
+    def branch(i: int) -> anthropic.types.Message:
+        return c.messages.create(model="tiny", max_tokens=40, extra_headers=headers, extra_body={
+            "temperature": 0, "ignore_eos": True}, tools=TOOLS, messages=history + [
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": f"part {i}"}]}])
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(branch, range(3)))
+    held = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens
+    for m in replies:  # every branch continued the shared history: nothing it held was computed again
+        assert m.usage.cache_read_input_tokens >= (held - 1) // 16 * 16

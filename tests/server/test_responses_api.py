@@ -150,3 +150,6 @@ def test_bad_requests(server: LiveServer) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     r = raw(server, {"model": "tiny", "input": [{"type": "function_call", "name": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.call_id"
+    r = httpx.post(server.url + "/v1/responses/compact", json={"model": "tiny", "input": "hi"},
+                   headers={"Authorization": "Bearer key-alice"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_endpoint"

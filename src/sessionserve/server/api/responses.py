@@ -527,6 +527,13 @@ def register(app: FastAPI, pipeline: TurnPipeline, store: ResponseStore) -> None
         save()
         return JSONResponse(builder.body())
 
+    @app.post("/v1/responses/compact")
+    async def compact_response(request: Request) -> Any:
+        # NOTE: before the {response_id} routes, which would answer this path with a 405.
+        await read_json(request)
+        raise P.bad_request("Compacting a conversation is not supported by this server: continue it with "
+                            "previous_response_id, or send the items themselves.", None, "unsupported_endpoint")
+
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> Any:
         record = store.get(request.state.tenant, response_id)

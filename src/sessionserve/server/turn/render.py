@@ -31,13 +31,11 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_specs(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    return [t.get("function", t) for t in tools] if tools else None
-
-
 def render_text(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                 add_generation_prompt: bool = True) -> str:
-    return tokenizer.apply_chat_template(template_messages(messages), tools=_tool_specs(tools),
+    # NOTE: tools in OpenAI's wrapped form ({"type": "function", "function": {...}}), as transformers and
+    # vLLM hand them to templates: published templates read `tool.function`.
+    return tokenizer.apply_chat_template(template_messages(messages), tools=tools or None,
                                          add_generation_prompt=add_generation_prompt)
 
 
