@@ -91,9 +91,14 @@ class Metrics:
         self.generation_tokens.labels(m).inc(num_output)
 
     def sample_engine(self, eng, step_s: float, model: str | None = None) -> None:  # noqa: ANN001 - LLMEngine
-        """Gauges from the engine's state; called in the engine thread."""
+        """A step's time and the gauges after it; called in the engine thread."""
+        self.step_seconds.labels(model or self.model).observe(step_s)
+        self.sample_gauges(eng, model)
+
+    def sample_gauges(self, eng, model: str | None = None) -> None:  # noqa: ANN001 - LLMEngine
+        """Queue, KV and session gauges from the engine's state; in the engine thread, after steps and on a
+        timer while it is idle (a deleted or expired session's blocks leave the gauges without a step)."""
         m = model or self.model
-        self.step_seconds.labels(m).observe(step_s)
         sched = eng.core.scheduler
         self.queue_depth.labels(m).set(len(sched.waiting))
         self.running.labels(m).set(len(sched.running))

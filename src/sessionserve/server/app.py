@@ -123,7 +123,8 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
     slots = {
         n: ModelSlot(n, e, AsyncEngine(e, max_queued_requests=config.max_queued_requests, cpus=engine_cpus,
                                        on_step=on_step(n, roles.add(RoleMeter(
-                                           ENGINE if len(engines) == 1 else f"{ENGINE}:{n}", 1)))),
+                                           ENGINE if len(engines) == 1 else f"{ENGINE}:{n}", 1))),
+                                       on_idle=lambda eng, n=n: metrics.sample_gauges(eng, n)),
                      ImplicitSessions(e.runner.block_size, config.max_implicit_sessions)
                      if config.implicit_sessions != "off" else None)
         for n, e in engines.items()}

@@ -53,8 +53,11 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024, idle_tick_s: float = 0.02,
                  on_step: Callable[[LLMEngine, float, float], None] | None = None,
-                 cpus: frozenset[int] | None = None) -> None:
-        """`cpus`: cores the engine thread (and the compute threads it starts) is pinned to; None: any."""
+                 cpus: frozenset[int] | None = None, on_idle: Callable[[LLMEngine], None] | None = None,
+                 idle_sample_s: float = 1.0) -> None:
+        """`cpus`: cores the engine thread (and the compute threads it starts) is pinned to; None: any.
+        `on_idle(engine)` runs in the engine thread every `idle_sample_s` while no step has work, and after a
+        failed step (gauges stay current without traffic)."""
         self.engine = engine
         self.cpus = cpus
         self.max_queued_requests = max_queued_requests
@@ -63,6 +66,8 @@ class AsyncEngine:
         # Metrics hook, called in the engine thread after each step: (engine, wall s, the engine thread's CPU s;
         # with more than one torch thread the other compute threads' CPU is not in it).
         self.on_step = on_step
+        self.on_idle = on_idle
+        self.idle_sample_s = idle_sample_s
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -187,6 +192,7 @@ class AsyncEngine:
     def _run(self) -> None:
         eng = self.engine
         pin_current_thread(self.cpus)
+        last_sample = time.monotonic()
         while not self._stop.is_set():
             busy = eng.has_unfinished()
             try:
@@ -209,6 +215,8 @@ class AsyncEngine:
                 self.num_step_errors += 1
                 logger.exception("engine step failed; failing its requests")
                 self._fail_running(exc)
+                if self.on_idle is not None:
+                    self.on_idle(eng)
                 continue
             for out in outputs:
                 s = self._streams.get(out.request_id)
@@ -219,6 +227,10 @@ class AsyncEngine:
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
             if self.on_step is not None and (outputs or busy):
                 self.on_step(eng, time.perf_counter() - t0, time.thread_time() - c0)
+                last_sample = time.monotonic()
+            elif self.on_idle is not None and time.monotonic() - last_sample >= self.idle_sample_s:
+                self.on_idle(eng)
+                last_sample = time.monotonic()
 
     def _fail_running(self, exc: Exception) -> None:
         eng = self.engine
