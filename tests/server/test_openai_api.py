@@ -288,3 +288,27 @@ def test_completions_return_token_ids(server: LiveServer) -> None:
     assert streamed == choice["token_ids"]
     plain = httpx.post(server.url + "/v1/completions", json={**body, "return_token_ids": False}, headers=auth).json()
     assert "token_ids" not in plain["choices"][0]
+
+
+def test_tools_and_response_format_together(server: LiveServer) -> None:
+    """Tools offered (tool_choice auto) and a response format: the reply is a valid tool call or JSON in the
+    format, never neither (one grammar for both)."""
+    schema = {"type": "object", "properties": {"verdict": {"type": "string", "enum": ["pass", "fail"]}},
+              "required": ["verdict"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "run_tests", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string", "enum": ["a.py", "b.py"]}}, "required": ["path"]}}}]
+    kinds = set()
+    for seed in range(6):
+        r = client(server).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"Check the tests ({seed})."}], tools=tools,
+            response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}},
+            max_tokens=80, temperature=1.0, seed=seed)
+        msg = r.choices[0].message
+        if msg.tool_calls:
+            assert json.loads(msg.tool_calls[0].function.arguments)["path"] in ("a.py", "b.py")
+            assert r.choices[0].finish_reason == "tool_calls"
+            kinds.add("call")
+        else:
+            assert json.loads(msg.content)["verdict"] in ("pass", "fail")
+            kinds.add("answer")
+    assert kinds

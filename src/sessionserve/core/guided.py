@@ -117,7 +117,8 @@ class GuidedDecoding:
 
     @staticmethod
     def tool_calls(tools: list[dict[str, Any]], name: str | None = None,
-                   parallel: bool = True, format: ToolFormat | None = None) -> GuidedDecoding:
+                   parallel: bool = True, format: ToolFormat | None = None,
+                   answer: GuidedDecoding | None = None) -> GuidedDecoding:
         """One (or, if `parallel`, one or more) tool calls of `tools`, written in `format`.
 
         `tools` are OpenAI function tools (`{"type": "function", "function":
@@ -125,6 +126,8 @@ class GuidedDecoding:
         `name` forces that tool (OpenAI `tool_choice` naming a function);
         None allows any of them (`tool_choice="required"`). `format` None:
         the format of the model that runs the request (its chat template's).
+        `answer` (a json_object or json_schema constraint): the output is either the calls or an answer of
+        that shape (tools offered with `tool_choice` auto and a response format: one grammar for both).
         """
         if not isinstance(tools, (list, tuple)) or not tools:
             raise ValueError("tool_calls needs a non-empty list of tools")
@@ -142,6 +145,11 @@ class GuidedDecoding:
                                 "name": name, "parallel": parallel}
         if format is not None:
             spec["format"] = format.value
+        if answer is not None:
+            if answer.kind not in ("json_object", "json_schema"):
+                raise ValueError("a tool call's alternative answer must be json_object or json_schema")
+            spec["answer"] = answer.spec_value() if answer.kind == "json_schema" else None
+            spec["mode"] = "auto"
         return GuidedDecoding("tool_calls", _canonical(spec, "tool_calls"))
 
     @staticmethod
@@ -162,7 +170,16 @@ class GuidedDecoding:
         if self.kind != "tool_calls":
             raise ValueError(f"{self.kind} has no tools")
         spec = self.spec_value()
-        return [t for t in spec["tools"] if spec["mode"] == "required" or t["name"] == spec["name"]]
+        return [t for t in spec["tools"] if spec["mode"] != "named" or t["name"] == spec["name"]]
+
+    def answer(self) -> GuidedDecoding | None:
+        """For tool_calls: the shape of the answer the output may give instead of calls (None: calls only)."""
+        if self.kind != "tool_calls":
+            raise ValueError(f"{self.kind} has no alternative answer")
+        spec = self.spec_value()
+        if "answer" not in spec:
+            return None
+        return GuidedDecoding.json_object() if spec["answer"] is None else GuidedDecoding.json_schema(spec["answer"])
 
     def tool_format(self) -> ToolFormat | None:
         """For tool_calls: the format the calls are written in; None: the model's own."""

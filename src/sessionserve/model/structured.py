@@ -152,6 +152,11 @@ class GrammarCompiler:
             calls = one[0] if len(one) == 1 else {"type": "or", "elements": one}
             if parallel:
                 calls = {"type": "plus", "content": calls}
+        answer = guided.answer()
+        if answer is not None:  # tools and a response format: the calls, or an answer of that shape
+            schema = {"type": "object"} if answer.kind == "json_object" else answer.spec
+            calls = {"type": "or", "elements": [
+                calls, {"type": "grammar", "grammar": _json_ebnf(schema, strict=answer.kind == "json_schema")}]}
         return {"type": "structural_tag", "format": calls}
 
     def _single_token(self, text: str) -> int | None:

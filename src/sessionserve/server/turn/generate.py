@@ -105,15 +105,18 @@ async def start_generation(state: ServerState, request: Request, slot: ModelSlot
 def guided_decoding(turn: TurnRequest) -> GuidedDecoding | None:
     """The output constraint a turn asks for, if any.
 
-    tool_choice "required" or naming a function constrains the output to tool-call blocks. A response
-    format constrains it to JSON, but only when the model cannot call tools: a JSON grammar would forbid
-    the tool calls an agent's turn may need (OpenAI applies the format to the final answer only).
+    tool_choice "required" or naming a function constrains the output to tool calls. With tools offered
+    (tool_choice auto) and a response format, the output is either tool calls or an answer in that format
+    (one grammar for both: OpenAI applies the format to the final answer). A response format alone
+    constrains the answer.
     """
     choice = turn.tool_choice
-    if turn.tools and (choice == "required" or isinstance(choice, dict)):
-        forced = choice.get("name") if isinstance(choice, dict) else None
+    forced = turn.tools and (choice == "required" or isinstance(choice, dict))
+    if forced or (turn.uses_tools and turn.response_format is not None):
+        name = choice.get("name") if isinstance(choice, dict) else None
         try:
-            return GuidedDecoding.tool_calls(turn.tools, forced, parallel=turn.parallel_tool_calls)
+            return GuidedDecoding.tool_calls(turn.tools or [], name, parallel=turn.parallel_tool_calls,
+                                             answer=None if forced else turn.response_format)
         except ValueError as exc:
             raise P.bad_request(f"Invalid tools: {exc}", "tools") from None
     if turn.uses_tools:
