@@ -26,7 +26,7 @@ from sessionserve.core.engine import EngineCore
 from sessionserve.core.residency import MoveCosts, make_policy
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.core.sequence import Sequence, SequenceStatus
-from sessionserve.core.session import Session, Tier
+from sessionserve.core.session import ParkHint, Session, Tier
 from sessionserve.core.session_manager import SessionManager
 from sessionserve.core.spec import NgramProposer, Proposer, SpecPolicy
 from sessionserve.model.runner import ModelRunner
@@ -124,13 +124,14 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     stream: bool = False, salt: bytes = b"", session_id: str | None = None,
-                    priority: str | None = None) -> str:
+                    priority: str | None = None, park_hint: ParkHint | None = None) -> str:
         """Queue a prompt (text or token ids). Returns the request id. Raises ValueError on bad input.
 
         With `session_id`, `prompt` is the session's new turn only (e.g. tool
         results and the next assistant header); what the session holds is not
         sent, tokenized or prefilled again. `priority`: "interactive" | "batch"
-        (default: the session's, else interactive).
+        (default: the session's, else interactive). `park_hint`: what the session waits on once the turn
+        ends (the client's expected tool time, the tools its reply calls).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
@@ -144,7 +145,8 @@ class LLMEngine:
         if params.guided is not None:
             # Compile now (cached by spec): a bad schema is this request's 400, never a failed engine step.
             self.runner.grammar_compiler.compile(params.guided)
-        seq = self.core.add_request(rid, ids, params, salt, session_id=session_id, priority=priority)
+        seq = self.core.add_request(rid, ids, params, salt, session_id=session_id, priority=priority,
+                                    park_hint=park_hint)
         detok = None
         if stream or params.stop:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)

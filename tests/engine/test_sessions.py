@@ -327,3 +327,32 @@ def test_forks_equal_independent_sessions_and_share_blocks(tiny_llama: Path, tmp
     for sid in (parent, child_a, child_b):
         assert eng.close_session(sid)
     assert_clean(eng)
+
+
+def test_the_policy_first_sees_a_parked_session_with_its_wait(tiny_llama: Path, tmp_path: Path) -> None:
+    """What a turn will wait on goes with the turn: the residency policy's first view of the parked session
+    already has the client's expected wait and the tools the reply called."""
+    from sessionserve.core.session import ParkHint
+
+    eng = make_engine(tiny_llama, tmp_path, residency_policy="predictive")
+    seen: list = []
+    policy = eng.sessions.policy
+
+    class Recorder:
+        name = "recorder"
+
+        def decide(self, view):  # noqa: ANN001, ANN202
+            seen.extend(view.parked)
+            return policy.decide(view)
+
+        def __getattr__(self, attr: str):  # noqa: ANN204 - the rest of the policy's interface
+            return getattr(policy, attr)
+
+    eng.sessions.policy = Recorder()
+    sid = eng.open_session()
+    hint = ParkHint(expected_wait_s=7.5, tool_names=lambda ids: ("run_tests",) if ids else ())
+    run_to_end(eng, eng.add_request(turns(3)[0], GREEDY, session_id=sid, park_hint=hint))
+    first = next(p for p in seen if p.session_id == sid)
+    assert first.predicted.p50_s == 7.5
+    assert eng.get_session(sid).waiting_tools == ("run_tests",)
+    eng.close_session(sid)

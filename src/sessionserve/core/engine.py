@@ -16,7 +16,7 @@ from sessionserve.core.priority import priority_rank
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.core.scheduler import Scheduler, SchedulerOutput
 from sessionserve.core.sequence import Sequence, SequenceStatus
-from sessionserve.core.session import Session
+from sessionserve.core.session import ParkHint, Session
 from sessionserve.core.session_manager import SessionManager
 from sessionserve.core.spec import Proposer, SpecPolicy, StepCostFit
 
@@ -58,10 +58,12 @@ class EngineCore:
         self.step_fit = StepCostFit()  # decode step time vs tokens: where verifying drafts stops being free
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    salt: bytes = b"", session_id: str | None = None, priority: str | None = None) -> Sequence:
+                    salt: bytes = b"", session_id: str | None = None, priority: str | None = None,
+                    park_hint: ParkHint | None = None) -> Sequence:
         """Queue a request, or the next turn of a session (`prompt_token_ids` = the new tokens only).
 
-        `priority` ("interactive" | "batch"): default the session's, else interactive.
+        `priority` ("interactive" | "batch"): default the session's, else interactive. `park_hint`: what
+        the session waits on once this turn ends (read when it ends, before the residency policy looks).
         Raises ValueError for a duplicate id, an empty or too-long prompt, an
         unknown or busy session, an unknown priority.
         """
@@ -80,7 +82,7 @@ class EngineCore:
         seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
                        num_prompt_tokens=len(prompt_token_ids), sampling_params=params,
                        arrival_s=self.clock(), eos_token_ids=self.eos_token_ids,
-                       max_model_len=self.max_model_len, salt=salt, priority=rank)
+                       max_model_len=self.max_model_len, salt=salt, priority=rank, park_hint=park_hint)
         if session is not None:
             seq.program = session.program
             seq.service_at_arrival = session.program.service_tokens

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from sessionserve.core.priority import Program
 from sessionserve.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sessionserve.core.session import ParkHint
 
 
 class SequenceStatus(Enum):
@@ -58,6 +62,8 @@ class Sequence:
     # Waiting for KV to come back from a lower tier: not schedulable yet.
     is_blocked: bool = False
     session_id: str | None = None
+    # What the session waits on after this turn (core.session.ParkHint), read when the turn ends.
+    park_hint: ParkHint | None = None
     # Priority class rank (0 interactive, 1 batch) and the program (session) whose service it adds to.
     priority: int = 0
     program: Program = field(default_factory=Program)

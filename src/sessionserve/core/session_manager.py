@@ -159,6 +159,12 @@ class SessionManager:
         session.last_active_s = now_s
         self._note_idle(now_s)
         session.waiting_tools, session.wait_hint_s = (), None
+        hint = seq.park_hint
+        if hint is not None and seq.status is not SequenceStatus.FINISHED_ABORTED:
+            # Known with the turn: the policy's first look at the parked session sees what it waits on.
+            session.wait_hint_s = hint.expected_wait_s
+            if hint.tool_names is not None:
+                session.waiting_tools = tuple(hint.tool_names(seq.output_token_ids))
         session.residency = Residency.DEVICE if self.kv.num_blocks_of(session.kv_key) else Residency.NONE
         if session.residency is Residency.NONE:
             self._note_drop(session)

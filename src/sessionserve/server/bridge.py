@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sessionserve.core.sampling_params import SamplingParams
+from sessionserve.core.session import ParkHint
 from sessionserve.llm_engine import LLMEngine, RequestOutput
 from sessionserve.obs.cpu_roles import pin_current_thread
 
@@ -122,7 +123,7 @@ class AsyncEngine:
 
     async def submit(self, prompt: list[int] | Callable[[LLMEngine], list[int] | Turn], params: SamplingParams,
                      request_id: str, session_id: str | None = None, salt: bytes = b"", stream: bool = True,
-                     priority: str | None = None) -> OutputStream:
+                     priority: str | None = None, park_hint: ParkHint | None = None) -> OutputStream:
         """Add a request; returns once the engine has taken it (or raised why not). Iterate the result for
         its outputs (one per engine step it advanced) until it finishes.
 
@@ -145,7 +146,7 @@ class AsyncEngine:
             if isinstance(ids, Turn):
                 ids, sid = ids.token_ids, ids.session_id
             eng.add_request(ids, params, request_id=request_id, stream=stream, salt=salt, session_id=sid,
-                            priority=priority)
+                            priority=priority, park_hint=park_hint)
             self._streams[request_id] = own
 
         # Counted from now, not from when the engine thread gets to `add`: a burst that arrives while

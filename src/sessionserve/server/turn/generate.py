@@ -18,6 +18,7 @@ from fastapi import Request
 
 from sessionserve.core.guided import GuidedDecoding
 from sessionserve.core.sampling_params import SamplingParams
+from sessionserve.core.session import ParkHint
 from sessionserve.core.session_manager import SessionMovingError
 from sessionserve.server import protocol as P
 from sessionserve.server.app import engine_error
@@ -66,7 +67,7 @@ def make_params(sampling: dict, max_tokens: int | None, num_prompt: int, eng: LL
 
 async def start_generation(state: ServerState, request: Request, slot: ModelSlot,
                            prepare: Callable[[LLMEngine], Turn], params: SamplingParams,
-                           priority: str | None) -> OutputStream:
+                           priority: str | None, park_hint: ParkHint | None = None) -> OutputStream:
     """Add the request to the engine; its outputs follow. Counted against the tenant's in-flight limit until
     the stream ends. Raises NeedFullPrompt (from `prepare`, before anything ran) for the caller to plan again.
     """
@@ -84,7 +85,7 @@ async def start_generation(state: ServerState, request: Request, slot: ModelSlot
         while True:
             try:
                 outputs = await slot.bridge.submit(prepare, params, request.state.request_id,
-                                                  salt=tenant_salt(tenant), priority=priority)
+                                                  salt=tenant_salt(tenant), priority=priority, park_hint=park_hint)
                 break
             except SessionMovingError as exc:
                 # Raised while adding the turn, before any output: wait out the copy and add it again.

@@ -1,9 +1,9 @@
-"""After a turn: the session parks with the tools it waits on; metrics, trace and where the session stands.
+"""After a turn: where the session stands, metrics and trace.
 
-When a reply ends in tool calls the session is told what it waits on (the
-tools' names and the client's expected wait, if any) for the residency
-policy. Then the session's new point is read, in the same engine-thread call,
-so the next turn of this conversation can continue it exactly.
+What the session waits on (the client's expected wait, the tools the reply
+calls) went with the turn (`core.session.ParkHint`), so the residency policy
+had it when the turn ended. Here the session's new point is read, so the next
+turn of this conversation can continue it exactly.
 """
 
 from __future__ import annotations
@@ -16,29 +16,19 @@ from sessionserve.server.turn.continuation import point_after
 from sessionserve.server.turn.types import SessionPoint
 
 if TYPE_CHECKING:
-    from sessionserve.llm_engine import LLMEngine, RequestOutput
+    from sessionserve.llm_engine import RequestOutput
     from sessionserve.server.app import ModelSlot, ServerState
 
 logger = logging.getLogger("sessionserve.requests")
 _WALL_OFFSET_S = time.time() - time.monotonic()
 
 
-async def park(slot: ModelSlot, key: str | None, tool_names: list[str], expected_wait_s: float | None,
-               is_whole_reply: bool = True) -> SessionPoint | None:
-    """Park session `key` on its tools (if any); return its point now (None without a session)."""
+async def park(slot: ModelSlot, key: str | None, is_whole_reply: bool = True) -> SessionPoint | None:
+    """Session `key`'s point now, in the engine thread (None without a session)."""
     if key is None:
         return None
     stop_ids = tuple(slot.engine.core.eos_token_ids)
-
-    def do(e: LLMEngine) -> SessionPoint | None:
-        session = e.get_session(key)
-        if session is None:
-            return None
-        if tool_names:
-            e.park(key, tuple(tool_names), expected_wait_s)
-        return point_after(e, key, stop_ids, is_whole_reply)
-
-    return await slot.bridge.call(do)
+    return await slot.bridge.call(lambda e: point_after(e, key, stop_ids, is_whole_reply))
 
 
 def record(state: ServerState, slot: ModelSlot, out: RequestOutput, t0: float, name: str,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from sessionserve.core.session import ParkHint
 from sessionserve.server import protocol as P
 from sessionserve.server.app import engine_error
 from sessionserve.server.auth import tenant_salt
@@ -46,7 +47,7 @@ from sessionserve.server.turn.generate import (
 )
 from sessionserve.server.turn.identity import session_key
 from sessionserve.server.turn.model_choice import ModelChooser, answer_problem
-from sessionserve.server.turn.tool_calls import ToolCallStream, tool_call_stream
+from sessionserve.server.turn.tool_calls import ToolCallStream, parse_output, tool_call_stream
 from sessionserve.server.turn.types import (
     Continuation,
     SessionPoint,
@@ -174,7 +175,8 @@ class TurnPipeline:
         params = make_params(turn.sampling, turn.max_tokens, num_prompt, slot.engine, turn.clamp_max_tokens,
                              guided=self._guided(turn), logprobs=turn.logprobs)
         try:
-            outputs = await start_generation(self.state, request, slot, prepare, params, turn.priority)
+            outputs = await start_generation(self.state, request, slot, prepare, params, turn.priority,
+                                             self._park_hint(turn, slot))
         except NeedFullPrompt:
             assert turn.messages is not None
             plan = await self._plan(request, turn, slot, target, want_full=True)
@@ -182,8 +184,21 @@ class TurnPipeline:
                                  turn.clamp_max_tokens, guided=self._guided(turn), logprobs=turn.logprobs)
             outputs = await start_generation(self.state, request, slot,
                                              self._prepare_chat(request, turn, slot, plan, target), params,
-                                             turn.priority)
+                                             turn.priority, self._park_hint(turn, slot))
         return ActiveTurn(self, request, turn, slot, outputs, target, plan, why)
+
+    def _park_hint(self, turn: TurnRequest, slot: ModelSlot) -> ParkHint:
+        """What the session waits on once the turn ends, read in the engine thread as it ends: the client's
+        expected tool time, and the tools the reply calls (parsed as the stream parses them)."""
+        if not turn.uses_tools:
+            return ParkHint(turn.expected_wait_s)
+        tok, names = slot.engine.tokenizer, turn.tool_names
+
+        def tool_names(ids: Sequence[int]) -> tuple[str, ...]:
+            _, calls, _ = parse_output(tok.decode(list(ids)), names, tok.tool_format)
+            return tuple(c.name for c in calls)
+
+        return ParkHint(turn.expected_wait_s, tool_names)
 
     # -- render and continue -------------------------------------------------------------------
 
@@ -375,8 +390,7 @@ class ActiveTurn:
         pipeline = self.pipeline
         state = pipeline.state
         key = self.target.key
-        point = await park_step.park(self.slot, key, [c.name for c in calls] if reason == "stop" else [],
-                                     self.turn.expected_wait_s, is_whole_reply=not cut)
+        point = await park_step.park(self.slot, key, is_whole_reply=not cut)
         park_step.record(state, self.slot, out, self.t0, f"{self.turn.protocol}.completion",
                          self.target.session_id, point.num_turns if point else None)
         cont = None
