@@ -93,6 +93,24 @@ def test_named_tool_choice_streams_tool_call_deltas(server: LiveServer) -> None:
                 args += tc.function.arguments
         finish = ch.choices[0].finish_reason or finish
     assert names and set(names) == {"run_tests"} and finish == "tool_calls"
+    pieces = [tc.function.arguments for ch in client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "run the tests"}], tools=TOOLS, tool_choice="required",
+        max_tokens=120, temperature=0.7, seed=3, stream=True) for tc in ch.choices[0].delta.tool_calls or []
+        if tc.function and tc.function.arguments]
+    assert len(pieces) > 1 and json.loads("".join(pieces))  # arguments stream as they are generated
+
+
+def test_a_tool_call_cut_by_the_token_limit_is_not_a_call(server: LiveServer) -> None:
+    """Cut inside its first call: finish_reason length, no tool_calls, and none of the markup in the content,
+    streamed or not."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "search"}], tools=TOOLS, tool_choice="required",
+              max_tokens=12, temperature=0)
+    r = client(server).chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    assert "<tool_call>" not in (r.choices[0].message.content or "")
+    chunks = list(client(server).chat.completions.create(**kw, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call>" not in text and chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_json_response_format(server: LiveServer) -> None:
