@@ -180,7 +180,7 @@ def guided_decoding(req: ChatCompletionRequest) -> GuidedDecoding | None:
     """The output constraint a chat request asks for, if any.
 
     tool_choice "required" or naming a function constrains the output to
-    `<tool_call>` blocks. response_format json_object / json_schema constrains
+    tool calls (in the model's own call format). response_format json_object / json_schema constrains
     it to JSON, but only when the model cannot call tools: a JSON grammar
     would forbid the tool calls an agent's turn may need (OpenAI applies the
     format to the final answer only).
