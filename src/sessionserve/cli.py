@@ -133,7 +133,7 @@ def startup_banner(engines: dict, aliases: dict[str, str], url: str, args: argpa
         lines.append(f"    KV cache: device {_size(device)} ({tokens:,} tokens), host tier {host}, disk tier {disk}; "
                      f"parked sessions: {sc.residency_policy} policy")
     model = next(iter(engines))
-    key = (args.api_key or ["<any key>"])[0]
+    key = "<your API key>" if args.api_key or args.keys_file else "<any>"  # keys are never printed or logged
     lines += [
         "  Point clients at it:",
         f"    OpenAI SDKs (chat, Responses):  OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY={key}  model={model!r}",

@@ -127,3 +127,20 @@ def test_messages_loop(server: LiveServer) -> None:
         msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                   "content": f"output {turn}"}]})
     check_loop(usages, computed_tokens(server) - before)
+
+
+def test_a_reply_that_stops_on_another_stop_token_is_continued_exactly(server: LiveServer) -> None:
+    """The embedded model also stops on <|endoftext|>, which its template never renders (it closes replies
+    with <|im_end|>): the next turn still reuses everything the session computed."""
+    end = server.engine.tokenizer.token_to_id("<|endoftext|>")
+    assert end in server.engine.core.eos_token_ids
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="key-alice", max_retries=0)
+    msgs = [{"role": "user", "content": "Stop at once."}]
+    headers = {"X-Session-ID": "loop-endoftext"}
+    first = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, logit_bias={str(end): 100},
+                                      extra_headers=headers)
+    assert first.usage.completion_tokens == 1 and first.choices[0].finish_reason == "stop"
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Go on."}]
+    second = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, extra_headers=headers)
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens

@@ -310,7 +310,13 @@ def point_after(eng: LLMEngine, key: str, stop_token_ids: Sequence[int], is_whol
     if session is None or session.state is SessionState.RUNNING or not session.token_ids:
         return None
     last = session.token_ids[-1]
+    closing = eng.tokenizer.eos_token  # the token the chat template closes a reply with
     stopped = last in stop_token_ids
-    stop_text = eng.tokenizer.decode([last], skip_special_tokens=False) if stopped else eng.tokenizer.eos_token
+    stop_text = eng.tokenizer.decode([last], skip_special_tokens=False) if stopped else closing
+    if stopped and closing and stop_text != closing and session.num_computed_tokens < len(session.token_ids):
+        # It stopped on another stop token (e.g. <|endoftext|>), which the template never renders: drop it
+        # (its KV was never computed) and continue as after a cut reply, with the template's closing.
+        eng.sessions.truncate(session, len(session.token_ids) - 1)
+        stopped, stop_text = False, closing
     return SessionPoint(key, len(session.token_ids), session.stats.num_turns, tokens_digest(session.token_ids),
                         stop_text if is_whole_reply else None, stopped)
