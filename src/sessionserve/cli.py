@@ -88,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             device=args.device, residency_policy=args.residency_policy, host_kv_bytes=args.host_kv_bytes,
             disk_kv_bytes=args.disk_kv_bytes, spool_dir=spool_dir, kv_store_dir=args.kv_store_dir,
             kv_store_bytes=args.kv_store_bytes, host_prefix_cache_bytes=args.host_prefix_cache_bytes,
+            admission=args.admission, admission_fill=args.admission_fill,
             **_spec_kwargs(args)))
 
     specs = model_specs(args.model)
@@ -130,8 +131,9 @@ def startup_banner(engines: dict, aliases: dict[str, str], url: str, args: argpa
         dtype = str(eng.runner.dtype).removeprefix("torch.")
         lines.append(f"  model {name!r}{' (also ' + ', '.join(map(repr, also)) + ')' if also else ''}: "
                      f"{eng.model_dir}, context {eng.max_model_len} tokens, {dtype}")
+        admission = eng.config.scheduler.admission
         lines.append(f"    KV cache: device {_size(device)} ({tokens:,} tokens), host tier {host}, disk tier {disk}; "
-                     f"parked sessions: {sc.residency_policy} policy")
+                     f"parked sessions: {sc.residency_policy} policy; admission: {admission}")
     model = next(iter(engines))
     key = "<your API key>" if args.api_key or args.keys_file else "<any>"  # keys are never printed or logged
     lines += [
@@ -180,6 +182,12 @@ def main(argv: list[str] | None = None) -> None:
                        choices=["discard", "keep", "ttl", "least-waste", "predictive"],
                        help="what happens to a parked session's KV (default: predictive, which keeps, moves "
                             "to a lower tier or drops each session by its expected wait and cost)")
+    serve.add_argument("--admission", choices=("off", "working-set"), default="off",
+                       help="working-set: new sessions wait at the door while the active sessions' contexts fill "
+                            "--admission-fill of the device KV, so returning turns keep their KV (no thrashing "
+                            "past the knee)")
+    serve.add_argument("--admission-fill", type=float, default=0.9,
+                       help="share of the device KV the admitted sessions' contexts may fill")
     serve.add_argument("--host-kv-bytes", type=int, default=0,
                        help="host-memory KV tier for parked sessions (default 0: off; on a CPU it is the same "
                             "RAM as the device tier)")

@@ -75,6 +75,14 @@ class SchedulerConfig:
     starvation_s: float = 30.0
     # An interactive turn kept waiting this long by memory or batch slots preempts batch work.
     preempt_after_s: float = 0.5
+    # Session admission by working set (core/admission.py): "working-set" holds new sessions at the door
+    # while the active admitted sessions' contexts fill `admission_fill` of the device KV, so returning
+    # turns keep their KV instead of thrashing; "off": every request is scheduled as it comes.
+    admission: str = "off"
+    admission_fill: float = 0.9
+    # A parked admitted session stops counting after max(this, 3 x its expected wait) idle: agents come back
+    # within seconds of a tool call, and one that finished rarely says so.
+    admission_hold_s: float = 5.0
     # While interactive turns run, background prefill gets at most this many tokens per step, so
     # interactive turns stream at decode pace (see core/priority.py). None: 1/16 of
     # max_num_batched_tokens (at least 1); 0: no limit.
@@ -88,6 +96,10 @@ class SchedulerConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self.priority_policy()  # validates the policy fields
+        if self.admission not in ("off", "working-set"):
+            raise ValueError(f"admission must be off or working-set, got {self.admission!r}")
+        if not 0 < self.admission_fill <= 4:
+            raise ValueError(f"admission_fill must be in (0, 4], got {self.admission_fill}")
 
     def priority_policy(self) -> PriorityPolicy:
         return PriorityPolicy(self.scheduling_policy, self.las_quantum_tokens, self.aging_s,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sessionserve.cache.kv_manager import KVCacheManager
+from sessionserve.core.admission import AdmissionDoor, WorkingSetAdmission
 from sessionserve.config import SchedulerConfig
 from sessionserve.core.executor import Executor
 from sessionserve.core.priority import priority_rank
@@ -56,6 +57,10 @@ class EngineCore:
         self.num_spec_steps = 0  # sequence-steps that verified at least one proposed token
         self.execute_s: float | None = None  # EMA of a decode step's executor time (the draft cost's unit)
         self.step_fit = StepCostFit()  # decode step time vs tokens: where verifying drafts stops being free
+        # Session admission by working set (None: off): new sessions wait at the door past the knee.
+        self.door = AdmissionDoor(WorkingSetAdmission(int(kv.pool.num_blocks * scheduler_config.admission_fill),
+                                                      scheduler_config.admission_hold_s), kv.block_size) \
+            if scheduler_config.admission == "working-set" else None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     salt: bytes = b"", session_id: str | None = None, priority: str | None = None,
@@ -89,10 +94,14 @@ class EngineCore:
         if seq.program.start_s is None:
             seq.program.start_s = seq.arrival_s
         self.scheduler.check_fits(seq)
+        held = self.door is not None and self.door.must_wait(session, seq.arrival_s, self.sessions)
         if session is not None:
             assert self.sessions is not None
             self.sessions.begin_turn(session, seq, len(new_ids), seq.arrival_s)
         self.scheduler.add(seq)
+        if held:
+            assert self.door is not None
+            self.door.hold(seq)
         self.requests[request_id] = seq
         return seq
 
@@ -170,6 +179,9 @@ class EngineCore:
         """Run one step. Returns the sequences that got a token or finished."""
         if self.proposer is not None:
             self._propose()
+        if self.door is not None and self.door.held:
+            now = self.clock()
+            self.door.release(now, self.scheduler.running, self.sessions, self.scheduler.order(now))
         plan: SchedulerOutput = self.scheduler.schedule(self.clock())
         if plan.is_empty:
             if self.sessions is not None:

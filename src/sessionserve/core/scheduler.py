@@ -25,7 +25,7 @@ pool and time it returns the same plan. Per step, under a token budget:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from sessionserve.cache.kv_manager import KVCacheManager
@@ -97,6 +97,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def order(self, now_s: float | None) -> Callable[[Sequence], tuple[int, int, int, float]]:
+        """The key waiting turns are taken in at `now_s` (priority classes, program order, aging)."""
+        return lambda seq: self._key(seq, now_s)
+
     def _key(self, seq: Sequence, now_s: float | None) -> tuple[int, int, int, float]:
         # Aging is for waiting: a running sequence ranks with the class it was admitted with. (A batch turn
         # that runs long is not starving; ranked up by its age it would put interactive turns behind it in
@@ -126,7 +130,8 @@ class Scheduler:
         if urgent_preempted:
             self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
         # Batch prefill chunks that rank below the first waiting interactive turn yield it the budget.
-        first_interactive = next((s for s in self.waiting if s.priority == 0 and not s.is_blocked), None) \
+        first_interactive = next((s for s in self.waiting if s.priority == 0 and not s.is_blocked
+                                  and not s.is_held), None) \
             if prioritized else None
         yield_key = self._key(first_interactive, now_s) if first_interactive is not None else None
         deferred: list[Sequence] = []
@@ -160,7 +165,8 @@ class Scheduler:
         skipped: list[Sequence] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.is_blocked or (seq.priority > 0 and bg_left <= 0):  # KV still coming back; no room left
+            # KV still coming back, or waiting at the door; no room left for background work.
+            if seq.is_blocked or seq.is_held or (seq.priority > 0 and bg_left <= 0):
                 skipped.append(self.waiting.popleft())
                 continue
             if seq.request_id in self.kv.block_tables:  # resumes with KV it already holds

@@ -61,6 +61,8 @@ class Sequence:
     kv_successor: str | None = None
     # Waiting for KV to come back from a lower tier: not schedulable yet.
     is_blocked: bool = False
+    # Waiting at the door: its session is not admitted yet (core/admission.py); not schedulable yet.
+    is_held: bool = False
     session_id: str | None = None
     # What the session waits on after this turn (core.session.ParkHint), read when the turn ends.
     park_hint: ParkHint | None = None

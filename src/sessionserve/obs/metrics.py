@@ -71,6 +71,9 @@ class Metrics:
             "conversation the session holds matched; only the new messages were tokenized and sent, the model's own "
             "reply tokens kept), prefix (re-rendered and cut to the longest common prefix), new, none (no session)",
             labels + ["how"], registry=r)
+        self.admission = Gauge("sessionserve_admission", "Session admission by working set: turns waiting at the "
+                               "door now, sessions admitted, turns that waited since start", labels + ["what"],
+                               registry=r)
         self.route_steps = Counter("sessionserve_route_steps", "Chat steps of model 'auto' by the model that ran "
                                    "them and why", ["routed_to", "reason"], registry=r)
         self.route_escalations = Counter("sessionserve_route_escalations",
@@ -117,6 +120,11 @@ class Metrics:
         self.spec_tokens.labels(m, "proposed").set(core.num_spec_proposed)
         self.spec_tokens.labels(m, "accepted").set(core.num_spec_accepted)
         self.spec_tokens.labels(m, "steps").set(core.num_spec_steps)
+        door = core.door
+        if door is not None:
+            self.admission.labels(m, "waiting").set(len(door.held))
+            self.admission.labels(m, "admitted").set(len(door.admitted))
+            self.admission.labels(m, "waited_total").set(door.num_held_total)
         total = eng.sessions.total_stats()
         self.recompute_tokens.labels(m).set(total.num_recompute_tokens)
         self.prefetch.labels(m, "hit").set(total.num_prefetch_hits)

@@ -132,7 +132,8 @@ def serve_from_args(args: Any) -> None:
                          "dtype": args.dtype, "device": args.device, "residency_policy": args.residency_policy,
                          "host_kv_bytes": args.host_kv_bytes, "disk_kv_bytes": args.disk_kv_bytes, "spool_dir": args.spool_dir,
                          "kv_store_dir": args.kv_store_dir, "kv_store_bytes": args.kv_store_bytes,
-                         "host_prefix_cache_bytes": args.host_prefix_cache_bytes}
+                         "host_prefix_cache_bytes": args.host_prefix_cache_bytes, "admission": args.admission,
+                         "admission_fill": args.admission_fill}
     options = ServeOptions(num_replicas=args.replicas, model=args.model, model_name=(args.served_model_name or [None])[0],
                            engine_kwargs=engine_kwargs, api_keys=tuple(sorted(keys.items())), store_url=args.store)
     run_forever(options, args.host, args.port)

@@ -24,6 +24,9 @@ from sessionserve.obs.cpu_roles import pin_current_thread
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# How long the loop waits for a command when requests wait but none could run (held at the admission door,
+# or waiting for KV): not a busy spin, and short enough that a freed slot is used at once.
+STALLED_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -194,10 +197,11 @@ class AsyncEngine:
         eng = self.engine
         pin_current_thread(self.cpus)
         last_sample = time.monotonic()
+        stalled = False  # the last step ran nothing though requests wait (at the door, or for their KV)
         while not self._stop.is_set():
             busy = eng.has_unfinished()
             try:
-                cmd = self._commands.get(timeout=0 if busy else self.idle_tick_s)
+                cmd = self._commands.get(timeout=(STALLED_WAIT_S if stalled else 0) if busy else self.idle_tick_s)
             except queue.Empty:
                 cmd = None
             while cmd is not None:
@@ -219,6 +223,7 @@ class AsyncEngine:
                 if self.on_idle is not None:
                     self.on_idle(eng)
                 continue
+            stalled = busy and not outputs and not eng.core.scheduler.running
             for out in outputs:
                 s = self._streams.get(out.request_id)
                 if s is None:

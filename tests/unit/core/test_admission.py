@@ -1,0 +1,39 @@
+"""Session admission by working set: the pure policy, with hand-built views."""
+
+from __future__ import annotations
+
+from sessionserve.core.admission import AdmissionView, Candidate, Member, WorkingSetAdmission
+
+POLICY = WorkingSetAdmission(budget_blocks=100, min_hold_s=30.0, hold_factor=3.0)
+
+
+def view(members: list[Member], candidates: list[Candidate], num_running: int = 0) -> AdmissionView:
+    return AdmissionView(tuple(members), tuple(candidates), num_running)
+
+
+def test_admits_in_order_while_the_working_set_fits() -> None:
+    members = [Member("a", 40, None, None), Member("b", 30, 2.0, 1.0)]  # running; parked, expected back
+    cands = [Candidate("r1", "c", 20), Candidate("r2", "d", 20), Candidate("r3", "e", 5)]
+    # 70 held; c fits (90), d does not (110): it waits, and e behind it does not overtake it.
+    assert POLICY.admit(view(members, cands, num_running=1)) == ("r1",)
+
+
+def test_sessions_idle_past_their_expected_wait_stop_counting() -> None:
+    gone = Member("old", 90, 31.0, None)  # idle past min_hold_s, no hint
+    slow_tool = Member("slow", 90, 31.0, 20.0)  # expected back within 3 x 20 s: still counts
+    cand = [Candidate("r1", "new", 50)]
+    assert POLICY.admit(view([gone], cand)) == ("r1",)
+    assert POLICY.admit(view([slow_tool], cand)) == ()
+    assert POLICY.working_set_blocks((gone, slow_tool)) == 90
+
+
+def test_a_session_larger_than_the_budget_still_runs_when_nothing_else_does() -> None:
+    cands = [Candidate("r1", "huge", 500), Candidate("r2", "small", 1)]
+    assert POLICY.admit(view([], cands)) == ("r1",)
+    # Not while something else is in flight: it waits for the working set to drain.
+    assert POLICY.admit(view([Member("a", 10, None, None)], cands, num_running=1)) == ()
+    assert POLICY.admit(view([], cands, num_running=1)) == ()
+
+
+def test_nothing_waiting_admits_nothing() -> None:
+    assert POLICY.admit(view([Member("a", 10, None, None)], [])) == ()
