@@ -69,6 +69,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--admission", choices=("off", "working-set"), default="off",
+                   help="inproc/simulate: session admission by working set (serve --admission)")
+    g.add_argument("--admission-fill", type=float, default=1.2,
+                   help="inproc/simulate: share of the device KV the admitted sessions may fill")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="inproc: compute dtype (auto: the checkpoint's where the device runs it fast)")
     g.add_argument("--hint-waits", action="store_true", help="tell the engine each true wait (an oracle hint)")
@@ -141,7 +145,7 @@ def run_bench(args: argparse.Namespace) -> Path:
         engine_kwargs = dict(kv_cache_bytes=args.device_kv_bytes, host_kv_bytes=args.host_kv_bytes,
                              disk_kv_bytes=args.disk_kv_bytes, num_threads=args.threads,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             dtype=args.dtype)
+                             dtype=args.dtype, admission=args.admission, admission_fill=args.admission_fill)
         settings.update({k: v for k, v in engine_kwargs.items() if v is not None}, hint_waits=args.hint_waits)
         warm_up(model_dir, {**engine_kwargs, "residency_policy": policies[0]}, args.seed)
         runs = run_inproc(trace, policies, loads, model_dir, engine_kwargs, seed=args.seed,

@@ -26,7 +26,8 @@ GiB = 1 << 30
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(kv_cache_bytes=args.device_kv_bytes, host_kv_bytes=args.host_kv_bytes,
                 disk_kv_bytes=args.disk_kv_bytes, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens)
+                max_num_batched_tokens=args.max_num_batched_tokens, admission=args.admission,
+                admission_fill=args.admission_fill)
 
 
 # -- calibrate ------------------------------------------------------------------------------------
@@ -178,6 +179,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    "profile's device memory)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--admission", choices=("off", "working-set"), default="off",
+                   help="session admission by working set on the replicas (serve --admission)")
     g.add_argument("--max-sim-users", type=int, default=64, help="most agents per replica considered (the replica "
                    "ladder starts at users / this)")
     parser.add_argument("--jobs", type=int, default=None, help="worker processes for the independent (policy, "
@@ -203,7 +206,8 @@ def run_plan(args: argparse.Namespace) -> Path:
         host_gib=tuple(float(x) for x in args.host_gib.split(",")),
         replicas=None if args.replicas is None else tuple(int(x) for x in args.replicas.split(",")),
         device_kv_bytes=args.device_kv_bytes, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, sessions_per_user=args.sessions_per_user,
+        max_num_batched_tokens=args.max_num_batched_tokens, admission=args.admission,
+        sessions_per_user=args.sessions_per_user,
         host_gib_cost=args.host_gib_cost, max_sim_users=args.max_sim_users, seed=args.seed)
     t0 = time.monotonic()
     result = plan(trace, profile, question, jobs=args.jobs or os.cpu_count() or 1)

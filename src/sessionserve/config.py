@@ -77,9 +77,12 @@ class SchedulerConfig:
     preempt_after_s: float = 0.5
     # Session admission by working set (core/admission.py): "working-set" holds new sessions at the door
     # while the active admitted sessions' contexts fill `admission_fill` of the device KV, so returning
-    # turns keep their KV instead of thrashing; "off": every request is scheduled as it comes.
+    # turns keep their KV instead of thrashing; "off": every request is scheduled as it comes (`serve`
+    # turns it on). Each session is counted at the context sessions typically reach, which overstates the
+    # working set at any moment (they do not all peak together): 1.2 was best of 0.9 / 1.2 / 1.6 on the
+    # simulated weka_claude_code sweep in bench/RESULTS.md.
     admission: str = "off"
-    admission_fill: float = 0.9
+    admission_fill: float = 1.2
     # A parked admitted session stops counting after max(this, 3 x its expected wait) idle: agents come back
     # within seconds of a tool call, and one that finished rarely says so.
     admission_hold_s: float = 5.0

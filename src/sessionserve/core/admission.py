@@ -48,6 +48,9 @@ class AdmissionView(NamedTuple):
     members: tuple[Member, ...]
     candidates: tuple[Candidate, ...]  # in the scheduler's order
     num_running: int  # sequences running now (admitted or not: requests already in flight)
+    # The context a session reaches before it leaves the working set, as measured on the sessions that
+    # left it (0: none yet). A session admitted small grows to about that: it is reserved from the start.
+    typical_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,36 +71,41 @@ class WorkingSetAdmission:
             return True
         return m.idle_s <= max(self.min_hold_s, self.hold_factor * (m.expected_wait_s or 0.0))
 
-    def working_set_blocks(self, members: tuple[Member, ...]) -> int:
-        return sum(m.num_blocks for m in members if self.is_active(m))
+    def working_set_blocks(self, members: tuple[Member, ...], typical_blocks: int = 0) -> int:
+        """Blocks the active members hold or will grow to (each at least `typical_blocks`)."""
+        return sum(max(m.num_blocks, typical_blocks) for m in members if self.is_active(m))
 
     def admit(self, view: AdmissionView) -> tuple[str, ...]:
         """Request ids to admit now, a prefix of `view.candidates` (none overtakes one that waits)."""
-        used = self.working_set_blocks(view.members)
+        used = self.working_set_blocks(view.members, view.typical_blocks)
         idle = used == 0 and view.num_running == 0
         admitted: list[str] = []
         for c in view.candidates:
-            if used + c.num_blocks > self.budget_blocks and not (idle and not admitted):
+            need = max(c.num_blocks, view.typical_blocks)
+            if used + need > self.budget_blocks and not (idle and not admitted):
                 break
             admitted.append(c.request_id)
-            used += c.num_blocks
+            used += need
         return tuple(admitted)
 
 
 class AdmissionDoor:
-    """The engine's side of admission: which turns wait at the door, and which sessions are admitted.
+    """The engine's side of admission: the turns that wait at the door, and the sessions admitted.
 
-    `must_wait` / `hold` decide, when a turn is added, whether it waits (it is marked `is_held`; the
-    scheduler skips held turns); `release` asks the policy each step and lets in what it admits. Called
-    from the engine thread only.
+    A turn that must wait (`must_wait`) is kept here, not in the scheduler: its session has not started
+    it, so the session stays parked and its KV stays under the residency policy (a held turn holds no
+    device blocks). Each step `release` asks the policy and hands back, in the scheduler's order, the
+    turns it lets in; the engine then starts them. Called from the engine thread only.
     """
 
     def __init__(self, policy: WorkingSetAdmission, block_size: int) -> None:
         self.policy = policy
         self.block_size = block_size
-        self.held: list[Sequence] = []
-        self.admitted: dict[str, None] = {}  # admitted session ids, in admission order
+        self.held: list[HeldTurn] = []
+        self.admitted: dict[str, int] = {}  # admitted session id -> the most blocks its context reached
         self.num_held_total = 0  # turns that waited at the door, since start
+        # EMA of the context sessions reached when they left the working set (0: none left yet).
+        self.typical_blocks = 0.0
 
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -110,40 +118,71 @@ class AdmissionDoor:
 
     def must_wait(self, session: Session | None, now_s: float, sessions: SessionManager | None) -> bool:
         """Whether a turn of `session` (None: a request without one) waits at the door: unless its session is
-        admitted and still active. Asked before the session starts the turn; changes nothing."""
+        admitted and still active. Changes nothing."""
         return not (session is not None and session.session_id in self.admitted and sessions is not None
                     and self.policy.is_active(self.member(session, now_s, sessions)))
 
-    def hold(self, seq: Sequence) -> None:
-        """`seq` (queued in the scheduler) waits at the door; its session is admitted again when let in."""
-        if seq.session_id is not None:
-            self.admitted.pop(seq.session_id, None)
+    def is_holding(self, session_id: str) -> bool:
+        return any(h.session_id == session_id for h in self.held)
+
+    def hold(self, seq: Sequence, session_id: str | None, num_new_tokens: int) -> None:
+        """`seq` waits at the door (`num_new_tokens`: what it adds to its session when it starts)."""
+        if session_id is not None and session_id in self.admitted:
+            self._left(self.admitted.pop(session_id))
         seq.is_held = True
-        self.held.append(seq)
+        self.held.append(HeldTurn(seq, session_id, num_new_tokens))
         self.num_held_total += 1
 
+    def drop(self, seq: Sequence) -> HeldTurn | None:
+        """Forget a held turn (aborted); None if it is not held here."""
+        found = next((h for h in self.held if h.seq is seq), None)
+        if found is not None:
+            self.held = [h for h in self.held if h.seq is not seq]
+        return found
+
     def release(self, now_s: float, running: list[Sequence], sessions: SessionManager | None,
-                order: Callable[[Sequence], object]) -> None:
-        """Let in the held turns the policy admits now (in the scheduler's `order`)."""
-        self.held = [s for s in self.held if s.is_held and not s.is_finished]
+                order: Callable[[Sequence], object]) -> list[HeldTurn]:
+        """The held turns the policy lets in now, in the scheduler's `order`; the engine starts them."""
         if not self.held:
-            return
+            return []
         members: list[Member] = []
-        for sid in list(self.admitted):
+        for sid, peak in list(self.admitted.items()):
             session = sessions.get(sid) if sessions is not None else None
-            if session is None:
-                del self.admitted[sid]  # closed or expired
-            else:
-                members.append(self.member(session, now_s, sessions))
+            if session is None:  # closed or expired
+                self._left(self.admitted.pop(sid))
+                continue
+            m = self.member(session, now_s, sessions)
+            if not self.policy.is_active(m):  # idle past its wait: it left (its next turn is a new arrival)
+                self._left(self.admitted.pop(sid))
+                continue
+            self.admitted[sid] = max(peak, m.num_blocks)
+            members.append(m)
         members += [Member(s.request_id, self._blocks(s.num_tokens), None, None)
                     for s in running if s.session_id is None]
-        self.held.sort(key=order)
-        candidates = tuple(Candidate(s.request_id, s.session_id or s.request_id, self._blocks(s.num_tokens))
-                           for s in self.held)
-        let_in = set(self.policy.admit(AdmissionView(tuple(members), candidates, len(running))))
-        for seq in self.held:
-            if seq.request_id in let_in:
-                seq.is_held = False
-                if seq.session_id is not None:
-                    self.admitted[seq.session_id] = None
-        self.held = [s for s in self.held if s.is_held]
+        self.held.sort(key=lambda h: order(h.seq))
+        candidates = tuple(Candidate(h.seq.request_id, h.session_id or h.seq.request_id,
+                                     self._blocks(h.num_context_tokens(sessions))) for h in self.held)
+        let_in = set(self.policy.admit(AdmissionView(tuple(members), candidates, len(running),
+                                                     round(self.typical_blocks))))
+        out = [h for h in self.held if h.seq.request_id in let_in]
+        self.held = [h for h in self.held if h.seq.request_id not in let_in]
+        for h in out:
+            h.seq.is_held = False
+            if h.session_id is not None:
+                self.admitted[h.session_id] = self._blocks(h.num_context_tokens(sessions))
+        return out
+
+    def _left(self, peak_blocks: int) -> None:
+        """A session left the working set at `peak_blocks`: what the next ones will likely grow to."""
+        self.typical_blocks = peak_blocks if not self.typical_blocks else \
+            0.9 * self.typical_blocks + 0.1 * peak_blocks
+
+
+class HeldTurn(NamedTuple):
+    seq: Sequence
+    session_id: str | None
+    num_new_tokens: int  # the turn's own tokens (its session's come first)
+
+    def num_context_tokens(self, sessions: SessionManager | None) -> int:
+        session = sessions.get(self.session_id) if sessions is not None and self.session_id else None
+        return (len(session.token_ids) if session is not None else 0) + self.num_new_tokens

@@ -10,15 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sessionserve.cache.kv_manager import KVCacheManager
-from sessionserve.core.admission import AdmissionDoor, WorkingSetAdmission
 from sessionserve.config import SchedulerConfig
+from sessionserve.core.admission import AdmissionDoor, WorkingSetAdmission
 from sessionserve.core.executor import Executor
 from sessionserve.core.priority import priority_rank
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.core.scheduler import Scheduler, SchedulerOutput
 from sessionserve.core.sequence import Sequence, SequenceStatus
-from sessionserve.core.session import ParkHint, Session
-from sessionserve.core.session_manager import SessionManager
+from sessionserve.core.session import ParkHint, Session, SessionState
+from sessionserve.core.session_manager import SessionBusyError, SessionManager
 from sessionserve.core.spec import Proposer, SpecPolicy, StepCostFit
 
 
@@ -94,16 +94,28 @@ class EngineCore:
         if seq.program.start_s is None:
             seq.program.start_s = seq.arrival_s
         self.scheduler.check_fits(seq)
-        held = self.door is not None and self.door.must_wait(session, seq.arrival_s, self.sessions)
-        if session is not None:
-            assert self.sessions is not None
-            self.sessions.begin_turn(session, seq, len(new_ids), seq.arrival_s)
-        self.scheduler.add(seq)
-        if held:
-            assert self.door is not None
-            self.door.hold(seq)
+        if self.door is not None and self.door.must_wait(session, seq.arrival_s, self.sessions):
+            # At the door: the session does not start the turn yet (its KV stays parked).
+            if session is not None and (session.state is SessionState.RUNNING
+                                        or self.door.is_holding(session.session_id)):
+                raise SessionBusyError(f"session {session.session_id!r} already has a turn running")
+            self.door.hold(seq, session.session_id if session is not None else None,
+                           len(new_ids) if session is not None else seq.num_tokens)
+            if session is not None:
+                assert self.sessions is not None
+                self.sessions.pinned.add(session.session_id)
+        else:
+            self._start(seq, session, len(new_ids) if session is not None else 0, seq.arrival_s)
         self.requests[request_id] = seq
         return seq
+
+    def _start(self, seq: Sequence, session: Session | None, num_new_tokens: int, now_s: float) -> None:
+        """The turn begins: its session (if any) brings its KV to it, and it queues in the scheduler."""
+        if session is not None:
+            assert self.sessions is not None
+            self.sessions.pinned.discard(session.session_id)
+            self.sessions.begin_turn(session, seq, num_new_tokens, now_s)
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks (a session keeps what was computed). False if unknown/finished."""
@@ -117,6 +129,12 @@ class EngineCore:
     def finish(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_STOPPED) -> None:
         """End a request early (e.g. a stop string matched in its text, or an abort)."""
         seq = self.requests.pop(request_id, None)
+        held = self.door.drop(seq) if seq is not None and seq.is_held and self.door is not None else None
+        if held is not None:
+            seq.status, seq.finished_s = status, self.clock()  # never started: nothing to free
+            if self.sessions is not None and held.session_id is not None:
+                self.sessions.pinned.discard(held.session_id)
+            return
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, status)
             seq.finished_s = self.clock()
@@ -173,7 +191,7 @@ class EngineCore:
         return session
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or (self.door is not None and bool(self.door.held))
 
     def step(self) -> list[StepOutput]:
         """Run one step. Returns the sequences that got a token or finished."""
@@ -181,7 +199,9 @@ class EngineCore:
             self._propose()
         if self.door is not None and self.door.held:
             now = self.clock()
-            self.door.release(now, self.scheduler.running, self.sessions, self.scheduler.order(now))
+            for held in self.door.release(now, self.scheduler.running, self.sessions, self.scheduler.order(now)):
+                session = self.sessions.get(held.session_id) if self.sessions and held.session_id else None
+                self._start(held.seq, session, held.num_new_tokens, now)
         plan: SchedulerOutput = self.scheduler.schedule(self.clock())
         if plan.is_empty:
             if self.sessions is not None:

@@ -130,8 +130,7 @@ class Scheduler:
         if urgent_preempted:
             self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
         # Batch prefill chunks that rank below the first waiting interactive turn yield it the budget.
-        first_interactive = next((s for s in self.waiting if s.priority == 0 and not s.is_blocked
-                                  and not s.is_held), None) \
+        first_interactive = next((s for s in self.waiting if s.priority == 0 and not s.is_blocked), None) \
             if prioritized else None
         yield_key = self._key(first_interactive, now_s) if first_interactive is not None else None
         deferred: list[Sequence] = []
@@ -165,8 +164,7 @@ class Scheduler:
         skipped: list[Sequence] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            # KV still coming back, or waiting at the door; no room left for background work.
-            if seq.is_blocked or seq.is_held or (seq.priority > 0 and bg_left <= 0):
+            if seq.is_blocked or (seq.priority > 0 and bg_left <= 0):  # KV still coming back; no room left
                 skipped.append(self.waiting.popleft())
                 continue
             if seq.request_id in self.kv.block_tables:  # resumes with KV it already holds

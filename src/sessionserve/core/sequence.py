@@ -61,7 +61,7 @@ class Sequence:
     kv_successor: str | None = None
     # Waiting for KV to come back from a lower tier: not schedulable yet.
     is_blocked: bool = False
-    # Waiting at the door: its session is not admitted yet (core/admission.py); not schedulable yet.
+    # Waiting at the door (core/admission.py): not started, not in the scheduler yet.
     is_held: bool = False
     session_id: str | None = None
     # What the session waits on after this turn (core.session.ParkHint), read when the turn ends.

@@ -73,6 +73,9 @@ class SessionManager:
         # Called with the id of each session that closes (deleted, expired or evicted), after it is gone:
         # layers above that keep notes per session (the server's transcripts) forget them.
         self.on_close: list[Callable[[str], None]] = []
+        # Sessions that do not expire however long they are idle: a turn of theirs waits to start (at the
+        # admission door); their KV stays under the residency policy meanwhile.
+        self.pinned: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -305,7 +308,8 @@ class SessionManager:
 
     def _expire(self, now_s: float) -> None:
         """Close sessions idle past the TTL; note when the next one would expire."""
-        idle = [s for s in self.sessions.values() if s.state is not SessionState.RUNNING]
+        idle = [s for s in self.sessions.values()
+                if s.state is not SessionState.RUNNING and s.session_id not in self.pinned]
         for session in [s for s in idle if now_s - s.last_active_s > self.idle_ttl_s]:
             self.close(session.session_id)
             self.num_expired += 1

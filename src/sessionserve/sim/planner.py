@@ -44,6 +44,7 @@ class PlanQuestion:
     device_kv_bytes: int | None = None  # None: the profile's device memory minus weights
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    admission: str = "off"  # session admission (SchedulerConfig.admission), as the replicas would run
     sessions_per_user: float = 1.5
     host_gib_cost: float = 0.0  # replica-hours per GiB-hour of host tier
     max_sim_users: int = 64  # most agents per replica considered: the ladder starts at users / this
@@ -111,7 +112,7 @@ def probe(trace: TraceSet, profile: CostProfile, q: PlanQuestion, policy: str, h
         raise ValueError(f"profile {profile.label} has no device memory size: give --device-kv-bytes")
     config = Config.from_kwargs(residency_policy=policy, kv_cache_bytes=kv_bytes, host_kv_bytes=int(host_gib * GiB),
                                 disk_kv_bytes=0, max_num_seqs=q.max_num_seqs,
-                                max_num_batched_tokens=q.max_num_batched_tokens,
+                                max_num_batched_tokens=q.max_num_batched_tokens, admission=q.admission,
                                 max_sessions=max(10_000, 4 * sim_users), session_idle_ttl_s=1e9)
     engine = SimEngine(config, profile)
     sessions = replica_sessions(trace, max(q.min_sessions, math.ceil(sim_users * q.sessions_per_user)), q.seed)
