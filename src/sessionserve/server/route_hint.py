@@ -35,7 +35,7 @@ def route_hint(path: str, headers: Mapping[str, str], data: dict[str, Any], toke
                responses: ResponseStore | None = None) -> RouteHint:
     """The hint for a generation request at `path`. Raises (any error) for a body the server would refuse."""
     from sessionserve.server.api import messages as anthropic
-    from sessionserve.server.api import responses as openai_responses
+    from sessionserve.server.api import responses_request as openai_responses
 
     previous = None
     messages: list[dict[str, Any]] = []

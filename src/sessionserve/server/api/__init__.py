@@ -2,7 +2,8 @@
 
     chat_completions.py  POST /v1/chat/completions (OpenAI)
     completions.py       POST /v1/completions (OpenAI, legacy)
-    responses.py         POST/GET/DELETE /v1/responses (OpenAI Responses, Open Responses spec)
+    responses.py         POST/GET/DELETE /v1/responses (OpenAI Responses, Open Responses spec): bodies, events
+    responses_request.py its request and the mapping of input items, tools and formats into a turn
     messages.py          POST /v1/messages, /v1/messages/count_tokens (Anthropic Messages)
 
 Each builds its response bodies and stream events in that one module.
