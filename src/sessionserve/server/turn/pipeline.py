@@ -62,7 +62,6 @@ from sessionserve.server.turn.types import (
 )
 
 if TYPE_CHECKING:
-    from sessionserve.core.guided import GuidedDecoding
     from sessionserve.llm_engine import LLMEngine, RequestOutput
     from sessionserve.server.app import ModelSlot, ServerState
 
@@ -173,7 +172,7 @@ class TurnPipeline:
             plan = await self._plan(request, turn, slot, target, want_full=False)
             prepare, num_prompt = self._prepare_chat(request, turn, slot, plan, target), plan.num_prompt_tokens
         params = make_params(turn.sampling, turn.max_tokens, num_prompt, slot.engine, turn.clamp_max_tokens,
-                             guided=self._guided(turn), logprobs=turn.logprobs)
+                             guided=guided_decoding(turn), logprobs=turn.logprobs)
         try:
             outputs = await start_generation(self.state, request, slot, prepare, params, turn.priority,
                                              self._park_hint(turn, slot))
@@ -181,7 +180,7 @@ class TurnPipeline:
             assert turn.messages is not None
             plan = await self._plan(request, turn, slot, target, want_full=True)
             params = make_params(turn.sampling, turn.max_tokens, plan.num_prompt_tokens, slot.engine,
-                                 turn.clamp_max_tokens, guided=self._guided(turn), logprobs=turn.logprobs)
+                                 turn.clamp_max_tokens, guided=guided_decoding(turn), logprobs=turn.logprobs)
             outputs = await start_generation(self.state, request, slot,
                                              self._prepare_chat(request, turn, slot, plan, target), params,
                                              turn.priority, self._park_hint(turn, slot))
@@ -201,9 +200,6 @@ class TurnPipeline:
         return ParkHint(turn.expected_wait_s, tool_names)
 
     # -- render and continue -------------------------------------------------------------------
-
-    def _guided(self, turn: TurnRequest) -> GuidedDecoding | None:
-        return guided_decoding(turn)
 
     async def _raw_prompt(self, turn: TurnRequest, slot: ModelSlot) -> list[int]:
         eng = slot.engine
