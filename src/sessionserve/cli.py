@@ -182,10 +182,10 @@ def main(argv: list[str] | None = None) -> None:
                        choices=["discard", "keep", "ttl", "least-waste", "predictive"],
                        help="what happens to a parked session's KV (default: predictive, which keeps, moves "
                             "to a lower tier or drops each session by its expected wait and cost)")
-    serve.add_argument("--admission", choices=("off", "working-set"), default="working-set",
-                       help="working-set (default): new sessions wait at the door while the active sessions' "
-                            "contexts fill --admission-fill of the device KV, so returning turns keep their KV "
-                            "(no thrashing past the knee); off: every request runs as it comes")
+    serve.add_argument("--admission", choices=("off", "working-set"), default="off",
+                       help="working-set: new sessions wait at the door while the active sessions' contexts fill "
+                            "--admission-fill of the device KV, so returning turns keep their KV (no thrashing "
+                            "past the knee); off (default): every request runs as it comes")
     serve.add_argument("--admission-fill", type=float, default=1.2,
                        help="share of the device KV the admitted sessions' contexts may fill")
     serve.add_argument("--host-kv-bytes", type=int, default=0,

@@ -77,8 +77,8 @@ class SchedulerConfig:
     preempt_after_s: float = 0.5
     # Session admission by working set (core/admission.py): "working-set" holds new sessions at the door
     # while the active admitted sessions' contexts fill `admission_fill` of the device KV, so returning
-    # turns keep their KV instead of thrashing; "off": every request is scheduled as it comes (`serve`
-    # turns it on). Each session is counted at the context sessions typically reach, which overstates the
+    # turns keep their KV instead of thrashing; "off": every request is scheduled as it comes. Each session
+    # is counted at the context sessions typically reach, which overstates the
     # working set at any moment (they do not all peak together): 1.2 was best of 0.9 / 1.2 / 1.6 on the
     # simulated weka_claude_code sweep in bench/RESULTS.md.
     admission: str = "off"
