@@ -11,16 +11,26 @@ it is ~4x faster than blake2b, which would otherwise bound the mover's speed.
 
 Files are named by us (uuid4 hex + ".kv"), written to a temp name and renamed,
 never fsynced: the spool does not outlive the process, so durability is moot.
+
+Ownership: each live tier holds a shared flock on the spool directory (the
+kernel drops it when the process dies, also on SIGKILL). A starting tier that
+can take the lock exclusively knows no live tier uses the directory, so every
+file of our naming in it was left by a dead process: it removes and counts
+them. Several live processes may share a directory (replicas of one machine);
+files left by a dead one then wait until a start finds no live peer.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import os
+import re
 import struct
 import threading
 import uuid
+import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +45,7 @@ _HEADER = struct.Struct("<4sHHQ16s4IQ")  # everything before the checksum
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _HEADER.size + _CRC.size
 _CHUNK_BYTES = 8 << 20  # bounded syscalls; lets other threads run between chunks
+_SPOOL_NAME = re.compile(r"[0-9a-f]{32}\.kv(\.[0-9a-f]{8}\.tmp)?")  # a spool file or its temp file
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +164,58 @@ def _read_into(fd: int, view: memoryview) -> int:
     return offset
 
 
+def _open_private_dir(spool_dir: Path) -> int:
+    """An fd of existing directory `spool_dir`, made 0o700 (it holds prompt contents).
+
+    Raises PermissionError if the directory belongs to another user: its owner
+    could open it up again at any time, so it can never be private to us.
+    """
+    fd = os.open(spool_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise PermissionError(f"KV spool dir {spool_dir} belongs to uid {st.st_uid}, not to us")
+        if st.st_mode & 0o777 != 0o700:
+            os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _claim_spool_dir(spool_dir: Path, dir_fd: int) -> tuple[int, int]:
+    """Take a shared flock on `dir_fd`, first removing the files of dead owners.
+
+    Returns (files, bytes) removed. Only files of our naming are removed, and
+    only when no live tier holds the lock; a removal that fails is logged.
+    """
+    try:
+        fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        # A live tier uses the directory, so we cannot tell its files from a dead one's.
+        # Blocks only while another starting tier removes orphans.
+        fcntl.flock(dir_fd, fcntl.LOCK_SH)
+        return 0, 0
+    except OSError as exc:  # e.g. some network file systems refuse flock on a directory
+        logger.warning("cannot lock KV spool dir %s (%s): files of dead processes are left in it", spool_dir, exc)
+        return 0, 0
+    num_files = num_bytes = 0
+    for path in spool_dir.iterdir():
+        if not _SPOOL_NAME.fullmatch(path.name):
+            continue
+        try:
+            size_bytes = path.lstat().st_size
+            path.unlink()
+        except OSError as exc:
+            logger.warning("could not remove orphan KV spool file %s: %s", path, exc)
+            continue
+        num_files += 1
+        num_bytes += size_bytes
+    # NOTE: not atomic on Linux (unlock, then lock), which is fine: we own no file yet.
+    fcntl.flock(dir_fd, fcntl.LOCK_SH)
+    return num_files, num_bytes
+
+
 class DiskTier:
     """Budgeted spool of block-group files in `spool_dir`.
 
@@ -161,7 +224,11 @@ class DiskTier:
 
     Invariants: `used_bytes` is the sum of `size_bytes` of reserved handles and
     never exceeds `budget_bytes`; every path in `_written` is reserved. Files in
-    the spool dir that we did not create are never touched nor counted.
+    the spool dir that we did not create are never touched nor counted, except
+    at construction: files of our naming left by dead processes are removed
+    (counted in `num_removed_orphan_files` and `num_removed_orphan_bytes`). The
+    spool dir is 0o700 and our files 0o600; we hold a shared flock on the dir
+    until the tier is garbage collected or the process exits.
     """
 
     def __init__(self, layout: KVLayout, spool_dir: str | Path, budget_bytes: int) -> None:
@@ -172,6 +239,12 @@ class DiskTier:
         self.budget_bytes = budget_bytes
         # 0o700: parked KV reveals the sessions' prompts; other users must not read it.
         self.spool_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._dir_fd = _open_private_dir(self.spool_dir)
+        weakref.finalize(self, os.close, self._dir_fd)  # closing the fd drops the flock
+        self.num_removed_orphan_files, self.num_removed_orphan_bytes = _claim_spool_dir(self.spool_dir, self._dir_fd)
+        if self.num_removed_orphan_files:
+            logger.info("removed %d KV spool files (%d bytes) left by dead processes in %s",
+                        self.num_removed_orphan_files, self.num_removed_orphan_bytes, self.spool_dir)
         self._lock = threading.Lock()
         self._reserved: dict[Path, DiskHandle] = {}
         self._written: set[Path] = set()

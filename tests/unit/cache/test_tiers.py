@@ -265,9 +265,9 @@ def test_disk_full_mid_write_leaves_no_temp_file(tmp_path: Path, monkeypatch: py
 
 
 def test_disk_close_removes_only_our_files(tmp_path: Path) -> None:
-    foreign = tmp_path / ("ab" * 16 + ".kv")  # looks like ours, from another process
-    foreign.write_bytes(b"old")
     disk = DiskTier(LAYOUT, tmp_path, budget_bytes=1 << 20)
+    foreign = tmp_path / ("ab" * 16 + ".kv")  # looks like ours, from another live process
+    foreign.write_bytes(b"old")
     assert disk.used_bytes == 0
     handles = [disk.try_reserve(1) for _ in range(3)]
     for handle in handles[:2]:
