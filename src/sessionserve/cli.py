@@ -103,7 +103,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     default = next(iter(engines))
     aliases = {alias: default for alias in names if alias not in engines}
     server = ServerConfig(max_queued_requests=args.max_queued_requests, implicit_sessions=args.implicit_sessions,
-                          tokenize_threads=args.tokenize_threads, response_store=args.response_store)
+                          tokenize_threads=args.tokenize_threads, response_store=args.response_store,
+                          metrics_auth=args.metrics_auth)
     app = create_app(engines, auth=Auth.from_options(args.api_key, args.keys_file), tracer=Tracer(args.trace),
                      tokenize_cpus=parse_cpus(args.tokenize_cpus), engine_cpus=parse_cpus(args.engine_cpus),
                      aliases=aliases, config=server)
@@ -210,6 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--implicit-sessions", choices=("chat", "all", "off"), default="chat",
                        help="requests without a session id continue the session of the conversation they extend: "
                             "chat requests (default), completions too (all), or none")
+    serve.add_argument("--metrics-auth", choices=("none", "key"), default="none",
+                       help="who may read /metrics, /openapi.json and /docs: anyone (none, the default: open "
+                            "like a Prometheus scrape target) or only clients with a valid API key (key; send "
+                            "it as 'Authorization: Bearer KEY', which a browser's /docs page cannot)")
     serve.add_argument("--replicas", type=int, default=1,
                        help="engine replicas on Ray Serve behind the session/KV-aware router (pip install .[ray])")
     serve.add_argument("--store", default=None,

@@ -242,12 +242,21 @@ class ServerConfig:
     response_store: str | None = None
     # How long a stored response can be continued or read back, in seconds.
     response_ttl_s: float = 24 * 3600.0
+    # Deepest nesting of lists and objects a request body may have (400 past it). What reads a body
+    # after the JSON parser recurses too (validation, chat templates, JSON schema -> grammar); 128 levels
+    # hold any real tool schema.
+    max_json_depth: int = 128
+    # Who may read /metrics and the API description (/openapi.json, /docs, /redoc): "none" (anyone, as
+    # Prometheus scrapers expect; the default) or "key" (a valid API key, as /v1/ needs).
+    metrics_auth: str = "none"
 
     def __post_init__(self) -> None:
         if self.implicit_sessions not in ("chat", "all", "off"):
             raise ValueError(f"implicit_sessions must be chat, all or off, not {self.implicit_sessions!r}")
+        if self.metrics_auth not in ("none", "key"):
+            raise ValueError(f"metrics_auth must be none or key, not {self.metrics_auth!r}")
         for name in ("max_queued_requests", "max_request_bytes", "max_sessions_per_tenant",
-                     "max_requests_per_tenant", "max_implicit_sessions", "tokenize_threads"):
+                     "max_requests_per_tenant", "max_implicit_sessions", "tokenize_threads", "max_json_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.response_ttl_s <= 0:

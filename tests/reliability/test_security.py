@@ -12,6 +12,7 @@ import pytest
 
 from sessionserve.core.residency import ActionKind, ResidencyAction
 from sessionserve.core.session import Residency, Tier
+from sessionserve.server import protocol as P
 from tests.reliability.conftest import ALICE, BOB, chat, live_server, wait_until
 from tests.server.conftest import KEYS, LiveServer
 
@@ -31,7 +32,7 @@ def test_api_keys_never_reach_the_logs(server: LiveServer, caplog: pytest.LogCap
     real = runner._sample_row
 
     def failing_sampler(seq):
-        if seq.request_id == "logged1":
+        if seq.request_id.endswith("-logged1"):  # the engine's id: the client's, qualified by its tenant
             raise RuntimeError("injected")
         return real(seq)
 
@@ -87,29 +88,40 @@ def _assert_bad_session_id(r: httpx.Response) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", (r.status_code, r.text)
 
 
+def _assert_safe_session_id(r: httpx.Response, sid: str) -> None:
+    """A turn naming `sid` ran, in a session whose id is valid (mapped from `sid`) or in none (ignored)."""
+    assert r.status_code == 200, (r.status_code, r.text)
+    used = r.headers.get("x-session-id")
+    assert (used is not None and used != sid and P.valid_session_id(used)) or \
+        (used is None and r.headers["x-sessionserve-warning"].startswith("session id ignored")), r.headers
+
+
 @pytest.mark.parametrize("sid", BAD_IDS)
-def test_session_ids_with_path_characters_are_rejected(server: LiveServer, sid: str) -> None:
+def test_session_ids_with_path_characters_never_name_a_path(server: LiveServer, sid: str) -> None:
+    # A turn maps the id to a valid one (or ignores it); the session routes refuse it.
     msgs = [{"role": "user", "content": "hi"}]
-    _assert_bad_session_id(httpx.post(server.url + "/v1/chat/completions", headers=ALICE,
-                                      json={"model": "tiny", "messages": msgs, "max_tokens": 1, "session_id": sid}))
+    _assert_safe_session_id(httpx.post(server.url + "/v1/chat/completions", headers=ALICE, json={
+        "model": "tiny", "messages": msgs, "max_tokens": 1, "session_id": sid}), sid)
     _assert_bad_session_id(httpx.post(server.url + "/v1/sessions", headers=ALICE, json={"session_id": sid}))
     assert chat(server, msgs, max_tokens=1, session_id="fork-parent").status_code == 200
     _assert_bad_session_id(httpx.post(server.url + "/v1/sessions/fork-parent/fork", headers=ALICE,
                                       json={"session_id": sid}))
     if sid.isascii() and sid.isprintable():  # what an HTTP header can carry
-        _assert_bad_session_id(chat(server, msgs, max_tokens=1, session_id=sid))
+        _assert_safe_session_id(chat(server, msgs, max_tokens=1, session_id=sid), sid)
 
 
 def test_path_like_ids_never_reach_the_file_system(server: LiveServer) -> None:
     spool: Path = server.spool  # type: ignore[attr-defined]
-    for encoded in ("..%2F..%2Fetc%2Fpasswd", "%2e%2e", "a%00b"):
+    for encoded, status in (("..%2F..%2Fetc%2Fpasswd", 404), ("%2e%2e", 400), ("a%00b", 404)):
         for method in ("GET", "DELETE"):
             r = httpx.request(method, f"{server.url}/v1/sessions/{encoded}", headers=ALICE)
-            assert r.status_code == 404, (method, encoded, r.text)
-    # Ids of allowed characters that look like paths are just names; spool files are named by the server.
+            assert r.status_code == status, (method, encoded, r.text)
+    # Ids of allowed characters that look like paths are just names (`..` is mapped to one); spool files
+    # are named by the server.
     for sid in ("..", "...", ".:.."):
-        assert chat(server, [{"role": "user", "content": f"{sid} " * 20}], session_id=sid, max_tokens=2).status_code == 200
-        key = f"alice/{sid}"
+        r = chat(server, [{"role": "user", "content": f"{sid} " * 20}], session_id=sid, max_tokens=2)
+        assert r.status_code == 200 and (r.headers["x-session-id"] == sid) == (sid != ".."), r.headers
+        key = f"alice/{r.headers['x-session-id']}"
         server.call(lambda e, k=key: e.sessions.apply(ResidencyAction(ActionKind.OFFLOAD, k, Tier.DISK),
                                                       time.monotonic()))
         wait_until(lambda k=key: server.call(lambda e: e.get_session(k).residency) is Residency.DISK, 10, "on disk")

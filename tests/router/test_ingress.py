@@ -19,6 +19,7 @@ from sessionserve.router.ray_app import ServeOptions
 from sessionserve.router.replica import RoutedRequest, asgi_call
 from sessionserve.router.store import SessionRecord
 from sessionserve.server.auth import tenant_salt
+from sessionserve.server.protocol_common import client_session_id
 from sessionserve.server.turn.render import render_chat
 
 
@@ -65,8 +66,10 @@ def test_bad_requests_route_anywhere(ingress: Ingress) -> None:
     for body in (b"{not json", b"[1, 2]", _chat("oops")):  # type: ignore[arg-type]
         req = ingress.route_of("POST", "/v1/chat/completions", {}, body)
         assert req.route.block_hashes == () and req.body == body  # the replica answers the 400
-    bad_sid = ingress.route_of("POST", "/v1/chat/completions", {"x-session-id": "bad id!"}, _chat([]))
-    assert bad_sid.session_key is None
+    ignored = ingress.route_of("POST", "/v1/chat/completions", {"x-session-id": "a" * 600}, _chat([]))
+    assert ignored.session_key is None  # an id the replica ignores names no session
+    mapped = ingress.route_of("POST", "/v1/chat/completions", {"x-session-id": "bad id!"}, _chat([]))
+    assert mapped.session_key == f"default/{client_session_id('bad id!').session_id}"  # as the replica maps it
 
 
 def test_asgi_call_streams_an_app_response() -> None:

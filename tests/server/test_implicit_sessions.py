@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import openai
-import pytest
-
 from sessionserve.core.conversation_index import ConversationIndex
 from sessionserve.core.session import Session, SessionState
 from sessionserve.server.implicit import ImplicitSessions, is_implicit
@@ -77,9 +74,10 @@ def test_implicit_sessions_do_not_use_the_explicit_session_limit(server: LiveSer
     for i in range(3):
         c.chat.completions.create(model="tiny", messages=[SYSTEM, {"role": "user", "content": f"one-off {i}"}],
                                   max_tokens=2, temperature=0)
-    with pytest.raises(openai.BadRequestError):  # ids with the implicit marker cannot be chosen by clients
-        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                  extra_headers={"X-Session-ID": "~abc"})
+    # Ids with the implicit marker cannot be chosen by clients: the server maps them to valid ids.
+    r = c.chat.completions.with_raw_response.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                    max_tokens=2, extra_headers={"X-Session-ID": "~abc"})
+    assert r.headers["x-session-id"].startswith("_abc-")
 
 
 # -- pure parts, with a stand-in engine ----------------------------------------------------------------

@@ -83,7 +83,7 @@ class Ingress:
             try:
                 parsed = json.loads(body)
                 data = parsed if isinstance(parsed, dict) else {}
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError):  # not JSON, too long a number, nested too deeply
                 return base  # the replica answers the 400
         skey = affinity = None
         hashes: list[bytes] = []

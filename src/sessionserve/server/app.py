@@ -5,10 +5,17 @@ behind async bridges, one engine thread each. With two or more models, the
 `auto` model routes each chat step by `ModelRoutePolicy` (plan steps to the
 large model, execution steps to the small one). Every error leaves as
 OpenAI's error JSON with the right status code.
+
+Each request keeps the client's `X-Request-ID` (when plain) as its visible id
+(`request.state.request_id`: the response header, the logs) and gets an
+engine request id qualified by its tenant (`request.state.engine_request_id`),
+so tenants never share, collide on, or learn of each other's request ids.
 """
 
 from __future__ import annotations
 
+import hashlib
+import asyncio
 import json
 import logging
 import time
@@ -35,6 +42,7 @@ from sessionserve.server.bridge import AsyncEngine, EngineDead, EngineOverloaded
 from sessionserve.server.implicit import ImplicitSessions
 from sessionserve.server.protocol import OpenAIError, format_validation_errors
 from sessionserve.server.response_store import ResponseStore
+from sessionserve.server.turn.identity import SessionIdNotice, session_id_notice
 
 logger = logging.getLogger("sessionserve.server")
 
@@ -149,6 +157,9 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
 
     app = FastAPI(title="sessionserve", version="0.1.0", lifespan=lifespan)
     app.state.ss = state
+    # Paths outside /v1/ that need a key when config.metrics_auth is "key" (the API description too).
+    keyed_paths = {"/metrics", app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}
+    keyed_paths = keyed_paths - {None} if config.metrics_auth == "key" else set()
 
     @app.middleware("http")
     async def request_context(request: Request, call_next):  # noqa: ANN001, ANN202
@@ -157,7 +168,8 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
         request.state.request_id = rid if 0 < len(rid) <= 64 and rid.replace("-", "").isalnum() else uuid.uuid4().hex
         request_id_var.set(request.state.request_id)
         path = request.url.path
-        if path.startswith("/v1/"):
+        is_api = path.startswith("/v1/")
+        if is_api or path in keyed_paths:
             # OpenAI clients send `Authorization: Bearer`, Anthropic's `x-api-key`.
             key = request.headers.get("x-api-key")
             tenant = state.auth.tenant_for(request.headers.get("authorization") or (key and f"Bearer {key}"))
@@ -165,12 +177,20 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
                 return error_response(OpenAIError(401, "Invalid or missing API key.", "authentication_error",
                                                   code="invalid_api_key"), state, path)
             request.state.tenant = tenant
+            request.state.engine_request_id = f"{tenant_tag(tenant)}-{request.state.request_id}"
+        if is_api:
             length = request.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
                 return error_response(OpenAIError(413, f"Request body over {config.max_request_bytes} bytes.",
                                                   "invalid_request_error", code="request_too_large"), state, path)
+        notice = SessionIdNotice()
+        session_id_notice.set(notice)  # filled by turn/identity.py as the route works out the session
         response = await call_next(request)
         response.headers["x-request-id"] = request.state.request_id
+        if notice.session_id is not None and "x-session-id" not in response.headers:
+            response.headers["x-session-id"] = notice.session_id
+        if notice.warning is not None:
+            response.headers["x-sessionserve-warning"] = notice.warning
         return response
 
     @app.exception_handler(OpenAIError)
@@ -191,7 +211,8 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
         logger.exception("request %s failed", getattr(request.state, "request_id", "?"))
         return error_response(OpenAIError(500, "Internal server error.", "server_error"), state, request.url.path)
 
-    @app.api_route("/", methods=["GET", "HEAD"])
+    @app.get("/")
+    @app.head("/", include_in_schema=False)  # one operation id in /openapi.json, not two alike
     async def root() -> Response:
         # Claude Code checks the base URL with HEAD / before its first request.
         return JSONResponse({"name": "sessionserve", "models": list(slots)})
@@ -272,15 +293,54 @@ async def read_body(request: Request) -> bytes:
 
 
 async def read_json(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 (a 413 when it is over the size limit)."""
+    """The request body as a JSON object, or a 400 (a 413 when it is over the size limit, a 400 when it nests
+    deeper than `config.max_json_depth`)."""
     raw = await read_body(request)
-    try:
-        body = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OpenAIError(400, f"Request body is not valid JSON: {exc}", "invalid_request_error") from None
+    max_depth = request.app.state.ss.config.max_json_depth
+    # A body of megabytes takes a second to decode and measure: off the event loop.
+    body, depth = _decode_json(raw, max_depth) if len(raw) < 1 << 16 else \
+        await asyncio.to_thread(_decode_json, raw, max_depth)
+    if depth > max_depth:
+        raise OpenAIError(400, f"Request body is nested deeper than {max_depth} levels.", "invalid_request_error",
+                          code="invalid_json")
     if not isinstance(body, dict):
         raise OpenAIError(400, "Request body must be a JSON object.", "invalid_request_error")
     return body
+
+
+def _decode_json(raw: bytes, max_depth: int) -> tuple[Any, int]:
+    """The decoded body and how deep it nests (past `max_depth`: max_depth + 1); a 400 when it is not JSON."""
+    try:
+        body = json.loads(raw) if raw else None
+    except RecursionError:  # nested past Python's own limit (about 1,000 levels)
+        return None, max_depth + 1
+    except ValueError as exc:  # not JSON, not UTF-8, or a number too long to convert (over 4,300 digits)
+        raise OpenAIError(400, f"Request body is not valid JSON: {exc}", "invalid_request_error",
+                          code="invalid_json") from None
+    return body, json_depth(body, max_depth)
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deep `value` nests lists and objects (a scalar: 0, `{}`: 1), counted no further than `limit` + 1.
+
+    Iterative: a value nested deeper than Python's recursion limit is measured too."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            break
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def tenant_tag(tenant: str) -> str:
+    """A short fixed tag of a tenant for engine request ids (not its cache salt; no key ever goes in ids)."""
+    return hashlib.sha256(b"request-ids:" + tenant.encode()).hexdigest()[:12]
 
 
 def engine_error(exc: Exception) -> OpenAIError:

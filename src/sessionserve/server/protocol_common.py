@@ -2,15 +2,17 @@
 
 Errors (`OpenAIError` and its JSON body), the translation of pydantic
 validation errors into 400s with a dotted `param`, the base class of request
-models, and validators for fields both APIs share (stop, session_id,
-logit_bias).
+models, validators for fields both APIs share (stop, logit_bias), session
+ids as clients send them and as the server uses them, and the OpenAPI
+description of a route (its request body and error responses).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -57,6 +59,64 @@ def rate_limited(message: str, code: str | None = None) -> OpenAIError:
 
 def server_error(message: str = "The server had an error while processing your request.") -> OpenAIError:
     return OpenAIError(500, message, "server_error", None, None)
+
+
+# --- OpenAPI: what a route takes, how it fails -------------------------------------------------------
+
+_OPENAI_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+        "code": {"type": ["string", "null"]}}}}}
+_ANTHROPIC_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"],
+                                                          "properties": {"type": {"type": "string"},
+                                                                         "message": {"type": "string"}}}}}
+_ERROR_STATUSES = {
+    400: "Invalid request: not JSON, nested too deeply, or a bad field", 401: "Missing or invalid API key",
+    404: "No such model, session or response", 409: "The session is busy or already exists",
+    413: "Request body over the size limit", 429: "Too many requests or sessions; retry after `retry-after`",
+    500: "Server error", 503: "The engine is stopped or shutting down",
+}
+
+
+def openapi_route(body: type[BaseModel] | dict[str, Any] | None = None, *, is_body_required: bool = True,
+                  anthropic: bool = False) -> dict[str, Any]:
+    """Keyword arguments for a FastAPI route decorator that describe the route in /openapi.json: its JSON
+    request body (a request model's schema, or a schema) and its error responses (OpenAI's error JSON, or
+    Anthropic's). Routes read their body as raw JSON, so FastAPI cannot see it by itself."""
+    error = _ANTHROPIC_ERROR_SCHEMA if anthropic else _OPENAI_ERROR_SCHEMA
+    doc: dict[str, Any] = {"responses": {
+        status: {"description": what, "content": {"application/json": {"schema": error}}}
+        for status, what in _ERROR_STATUSES.items()}}
+    if body is not None:
+        schema = _inline_refs(body.model_json_schema()) if isinstance(body, type) else body
+        doc["openapi_extra"] = {"requestBody": {"required": is_body_required,
+                                                "content": {"application/json": {"schema": schema}}}}
+    return doc
+
+
+def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic schema with its `$defs` written in place: OpenAPI would resolve `#/$defs/...` from the
+    document's root."""
+    defs = schema.get("$defs", {})
+
+    def inline(node: Any, seen: frozenset[str]) -> Any:
+        if isinstance(node, list):
+            return [inline(v, seen) for v in node]
+        if not isinstance(node, dict):
+            return node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            name = ref.removeprefix("#/$defs/")
+            rest = {k: inline(v, seen) for k, v in node.items() if k != "$ref"}
+            if name in seen:  # a model that contains itself: described one level deep
+                return {"type": "object", **rest}
+            return {**inline(defs[name], seen | {name}), **rest}
+        return {k: inline(v, seen) for k, v in node.items() if k != "$defs"}
+
+    return inline(schema, frozenset())
 
 
 # Pydantic error types that mean "wrong JSON type" rather than "bad value".
@@ -107,10 +167,21 @@ class RequestModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+# Bounds on a request's lists, checked before validation (which runs on the event loop and takes ~12 us a
+# tool definition): OpenAI allows 128 tools; agents with many MCP servers send a few hundred.
+MAX_TOOLS = 512
+MAX_MESSAGES = 16_384  # chat messages, Responses input items, Messages API messages
+
+
 def parse_request(model: type[RequestModel], body: Any) -> Any:
     """Validate a decoded JSON body against `model`; every failure is an OpenAIError."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_type")
+    for name, limit in (("tools", MAX_TOOLS), ("messages", MAX_MESSAGES), ("input", MAX_MESSAGES)):
+        value = body.get(name)
+        if isinstance(value, list) and len(value) > limit:
+            raise bad_request(f"Invalid '{name}': at most {limit} items are allowed, got {len(value)}.", name,
+                              "array_above_max_length")
     try:
         return model.model_validate(body)
     except pydantic.ValidationError as exc:
@@ -121,6 +192,11 @@ def parse_request(model: type[RequestModel], body: Any) -> Any:
 
 MAX_STOP_STRINGS = 4
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_NOT_SESSION_ID_CHARS = re.compile(r"[^A-Za-z0-9._:-]+")
+# Longest session id a client may send on a turn (one the server maps when it cannot use it as sent).
+MAX_CLIENT_SESSION_ID_CHARS = 512
+# Readable start of a mapped id, in characters (its hash suffix makes it unique).
+_MAPPED_PREFIX_CHARS = 64
 
 
 def check_stop(value: Any) -> list[str] | None:
@@ -138,14 +214,37 @@ def check_stop(value: Any) -> list[str] | None:
 
 
 def valid_session_id(session_id: str) -> bool:
-    """Session ids are 1 to 128 characters from [A-Za-z0-9._:-] (they appear in URLs and logs)."""
-    return isinstance(session_id, str) and _SESSION_ID.fullmatch(session_id) is not None
+    """Session ids are 1 to 128 characters from [A-Za-z0-9._:-], not `.` or `..` (they appear in URLs and logs)."""
+    return (isinstance(session_id, str) and _SESSION_ID.fullmatch(session_id) is not None
+            and session_id not in (".", ".."))
 
 
-def check_session_id(value: str | None) -> str | None:
-    if value is not None and not valid_session_id(value):
-        raise ValueError("must be 1 to 128 characters from [A-Za-z0-9._:-]")
-    return value
+class ClientSessionId(NamedTuple):
+    """What the server makes of a session id a client sent on a turn."""
+
+    session_id: str | None  # the id the server uses (a valid one); None: ignored
+    problem: str | None  # why it was ignored, for the client's warning header (never the id itself)
+
+
+def client_session_id(raw: str) -> ClientSessionId:
+    """The session a client's id names: itself when valid, else a valid id derived from it, or none.
+
+    Clients send ids that other servers take as opaque strings (`trace_0100#0`); a turn never fails over
+    one. A printable id of up to MAX_CLIENT_SESSION_ID_CHARS that is not valid maps to its readable part
+    (runs of other characters as `_`) plus `-` and 16 hex digits of its SHA-256, so the same id always
+    reaches the same session and a valid id, which is never mapped, meets a mapped one only by a 64-bit
+    hash match. An id that cannot name a session (empty, not printable, too long) is ignored.
+    """
+    if valid_session_id(raw):
+        return ClientSessionId(raw, None)
+    if not raw.strip():
+        return ClientSessionId(None, "it is empty")
+    if len(raw) > MAX_CLIENT_SESSION_ID_CHARS:
+        return ClientSessionId(None, f"it is over {MAX_CLIENT_SESSION_ID_CHARS} characters")
+    if not raw.isprintable():
+        return ClientSessionId(None, "it has control or unprintable characters")
+    readable = _NOT_SESSION_ID_CHARS.sub("_", raw)[:_MAPPED_PREFIX_CHARS]
+    return ClientSessionId(f"{readable}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}", None)
 
 
 def check_logit_bias(value: Any) -> dict[int, float] | None:
@@ -183,7 +282,7 @@ class SamplingRequest(RequestModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: Any = None
     user: str | None = None
-    # Session extension.
+    # Session extension: any string; turn/identity.py decides what session it names.
     session_id: str | None = None
     # vLLM-style sampling extensions.
     ignore_eos: bool | None = None
@@ -204,11 +303,6 @@ class SamplingRequest(RequestModel):
     @classmethod
     def validate_logit_bias(cls, value: Any) -> Any:
         return check_logit_bias(value)
-
-    @field_validator("session_id")
-    @classmethod
-    def validate_session_id(cls, value: str | None) -> str | None:
-        return check_session_id(value)
 
     @field_validator("n")
     @classmethod

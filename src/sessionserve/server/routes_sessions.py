@@ -1,7 +1,9 @@
 """Session routes: POST /v1/sessions, GET/DELETE /v1/sessions/{id}, POST /v1/sessions/{id}/fork.
 
 Sessions are namespaced by tenant: another tenant's session id is simply not
-found (404), whether it exists or not.
+found (404), whether it exists or not. Ids here are taken strictly (a 400 for
+one the server cannot use, `.` and `..` included); a turn's id that the server
+mapped (turn/identity.py) is valid, and its response names it in `x-session-id`.
 
 A server with several models keeps a copy of a session in each engine that
 ran one of its steps: a session is created in the default model's engine (the
@@ -20,6 +22,7 @@ from fastapi import FastAPI, Request
 from sessionserve.llm_engine import LLMEngine
 from sessionserve.server import protocol as P
 from sessionserve.server.app import read_body, read_json
+from sessionserve.server.protocol_common import openapi_route
 from sessionserve.server.turn.identity import session_key
 from sessionserve.server.turn.pipeline import check_session_limit
 
@@ -36,6 +39,23 @@ def session_object(session: Session, public_id: str) -> dict[str, Any]:
         "waiting_tools": list(session.waiting_tools), "steps": session.stats.num_turns,
         "stats": asdict(session.stats),
     }
+
+
+# Body of POST /v1/sessions and POST /v1/sessions/{id}/fork (both optional).
+SESSION_BODY_SCHEMA = {"type": "object", "properties": {
+    "session_id": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$", "not": {"enum": [".", ".."]}},
+    "priority": {"type": "string", "enum": ["interactive", "batch"]}}}
+
+
+def bad_body_id() -> P.OpenAIError:
+    return P.OpenAIError(400, "session_id must be 1-128 characters of [A-Za-z0-9._:-], not '.' or '..'.",
+                         "invalid_request_error", param="session_id")
+
+
+def check_path_id(sid: str) -> None:
+    """A 400 for `.` and `..`: never session ids, whatever a client or proxy makes of them in a URL."""
+    if sid in (".", ".."):
+        raise P.OpenAIError(400, f"'{sid}' is not a session id.", "invalid_request_error", param="session_id")
 
 
 def register(app: FastAPI, state: ServerState) -> None:
@@ -58,14 +78,13 @@ def register(app: FastAPI, state: ServerState) -> None:
     def not_found(sid: str) -> P.OpenAIError:
         return P.OpenAIError(404, f"Session '{sid}' not found.", "not_found_error", param="session_id")
 
-    @app.post("/v1/sessions")
+    @app.post("/v1/sessions", **openapi_route(SESSION_BODY_SCHEMA, is_body_required=False))
     async def create_session(request: Request) -> Any:
         body = await read_json(request) if await read_body(request) else {}
         sid = body.get("session_id") or f"sess_{uuid.uuid4().hex}"
         priority = body.get("priority", "interactive")
         if not isinstance(sid, str) or not P.valid_session_id(sid):
-            raise P.OpenAIError(400, "session_id must be 1-128 characters of [A-Za-z0-9._:-].",
-                                "invalid_request_error", param="session_id")
+            raise bad_body_id()
         if priority not in ("interactive", "batch"):
             raise P.OpenAIError(400, "priority must be 'interactive' or 'batch'.", "invalid_request_error",
                                 param="priority")
@@ -82,14 +101,14 @@ def register(app: FastAPI, state: ServerState) -> None:
 
         return await bridge.call(do)
 
-    @app.post("/v1/sessions/{sid}/fork")
+    @app.post("/v1/sessions/{sid}/fork", **openapi_route(SESSION_BODY_SCHEMA, is_body_required=False))
     async def fork_session(sid: str, request: Request) -> Any:
         """A new session starting from `sid`'s history; both go on independently (sub-agents)."""
+        check_path_id(sid)
         body = await read_json(request) if await read_body(request) else {}
         child = body.get("session_id") or f"sess_{uuid.uuid4().hex}"
         if not isinstance(child, str) or not P.valid_session_id(child):
-            raise P.OpenAIError(400, "session_id must be 1-128 characters of [A-Za-z0-9._:-].",
-                                "invalid_request_error", param="session_id")
+            raise bad_body_id()
         tenant = request.state.tenant
         key, child_key = session_key(tenant, sid), session_key(tenant, child)
 
@@ -110,8 +129,9 @@ def register(app: FastAPI, state: ServerState) -> None:
         results = [await slot.bridge.call(do) for slot, _, _ in found]
         return results[0]
 
-    @app.get("/v1/sessions/{sid}")
+    @app.get("/v1/sessions/{sid}", **openapi_route())
     async def get_session(sid: str, request: Request) -> Any:
+        check_path_id(sid)
         found = await holders(session_key(request.state.tenant, sid), sid)
         if not found:
             raise not_found(sid)
@@ -121,8 +141,9 @@ def register(app: FastAPI, state: ServerState) -> None:
             body["models"] = [s.name for s, _, _ in found]
         return body
 
-    @app.delete("/v1/sessions/{sid}")
+    @app.delete("/v1/sessions/{sid}", **openapi_route())
     async def delete_session(sid: str, request: Request) -> Any:
+        check_path_id(sid)
         key = session_key(request.state.tenant, sid)
         found = await holders(key, sid)
         if not found:

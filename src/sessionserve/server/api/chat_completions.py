@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sessionserve.server import protocol as P
 from sessionserve.server.api.common import request_priority, sse, token_logprobs
 from sessionserve.server.app import read_json
+from sessionserve.server.protocol_common import openapi_route
 from sessionserve.server.turn.identity import session_hint
 from sessionserve.server.turn.types import (
     StepOutput,
@@ -68,7 +69,7 @@ def finish_reason(result: TurnResult) -> str:
 
 
 def register(app: FastAPI, pipeline: TurnPipeline) -> None:
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **openapi_route(P.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Any:
         req = P.parse_chat_request(await read_json(request))
         turn = to_turn(request, req)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sessionserve.server import protocol as P
 from sessionserve.server.api.common import sse, token_logprobs
 from sessionserve.server.app import read_json
+from sessionserve.server.protocol_common import openapi_route
 from sessionserve.server.turn.identity import session_hint
 from sessionserve.server.turn.types import StepOutput, TurnRequest, TurnResult
 
@@ -41,7 +42,7 @@ def usage(result: TurnResult) -> dict[str, Any]:
 
 
 def register(app: FastAPI, pipeline: TurnPipeline) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **openapi_route(P.CompletionRequest))
     async def completions(request: Request) -> Any:
         req = P.parse_completion_request(await read_json(request))
         turn = to_turn(request, req)

@@ -33,6 +33,7 @@ from pydantic import Field, field_validator
 from sessionserve.server import protocol as P
 from sessionserve.server.api.common import request_priority, sse
 from sessionserve.server.app import read_json
+from sessionserve.server.protocol_common import openapi_route
 from sessionserve.server.turn.identity import session_hint
 from sessionserve.server.turn.pipeline import finished_events
 from sessionserve.server.turn.render import render_chat
@@ -268,7 +269,7 @@ def tool_id(call_id: str) -> str:
 def _input(arguments: str) -> dict[str, Any]:
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -360,7 +361,7 @@ class MessageBuilder:
 
 
 def register(app: FastAPI, pipeline: TurnPipeline, state: ServerState) -> None:
-    @app.post("/v1/messages")
+    @app.post("/v1/messages", **openapi_route(MessagesRequest, anthropic=True))
     async def create_message(request: Request) -> Any:
         req = P.parse_request(MessagesRequest, await read_json(request))
         turn = to_turn(request, req)
@@ -373,7 +374,7 @@ def register(app: FastAPI, pipeline: TurnPipeline, state: ServerState) -> None:
             builder.feed(event)
         return JSONResponse(builder.message())
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post("/v1/messages/count_tokens", **openapi_route(MessagesRequest, anthropic=True))
     async def count_tokens(request: Request) -> Any:
         req = P.parse_request(MessagesRequest, await read_json(request))
         slot = pipeline.models.slot(req.model) or state.default

@@ -28,6 +28,7 @@ from sessionserve.server import protocol as P
 from sessionserve.server.api.common import sse, token_logprobs
 from sessionserve.server.api.responses_request import ResponsesRequest, to_turn
 from sessionserve.server.app import read_json
+from sessionserve.server.protocol_common import openapi_route
 from sessionserve.server.response_store import ResponseStore, StoredResponse
 from sessionserve.server.turn.continuation import reply_message
 from sessionserve.server.turn.pipeline import finished_events
@@ -230,7 +231,7 @@ def register(app: FastAPI, pipeline: TurnPipeline, store: ResponseStore) -> None
         return P.OpenAIError(404, f"Response with id '{response_id}' not found.", "not_found_error", param=param,
                              code="previous_response_not_found" if param else None)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", **openapi_route(ResponsesRequest))
     async def create_response(request: Request) -> Any:
         req = P.parse_request(ResponsesRequest, await read_json(request))
         tenant = request.state.tenant
@@ -264,21 +265,21 @@ def register(app: FastAPI, pipeline: TurnPipeline, store: ResponseStore) -> None
         save()
         return JSONResponse(builder.body())
 
-    @app.post("/v1/responses/compact")
+    @app.post("/v1/responses/compact", **openapi_route(ResponsesRequest))
     async def compact_response(request: Request) -> Any:
         # NOTE: before the {response_id} routes, which would answer this path with a 405.
         await read_json(request)
         raise P.bad_request("Compacting a conversation is not supported by this server: continue it with "
                             "previous_response_id, or send the items themselves.", None, "unsupported_endpoint")
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", **openapi_route())
     async def get_response(request: Request, response_id: str) -> Any:
         record = store.get(request.state.tenant, response_id)
         if record is None:
             raise not_found(response_id)
         return JSONResponse(record.body)
 
-    @app.get("/v1/responses/{response_id}/input_items")
+    @app.get("/v1/responses/{response_id}/input_items", **openapi_route())
     async def input_items(request: Request, response_id: str) -> Any:
         record = store.get(request.state.tenant, response_id)
         if record is None:
@@ -287,7 +288,7 @@ def register(app: FastAPI, pipeline: TurnPipeline, store: ResponseStore) -> None
         return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                              "last_id": data[-1]["id"] if data else None, "has_more": False})
 
-    @app.delete("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}", **openapi_route())
     async def delete_response(request: Request, response_id: str) -> Any:
         if not store.delete(request.state.tenant, response_id):
             raise not_found(response_id)
