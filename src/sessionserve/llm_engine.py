@@ -63,6 +63,8 @@ class RequestOutput:
     restore_wait_s: float = 0.0
     first_token_s: float | None = None
     finished_s: float | None = None
+    # Why the request failed inside an engine step (its inputs made the step raise); None: it did not.
+    error: str | None = None
 
     @property
     def text(self) -> str:
@@ -141,6 +143,11 @@ class LLMEngine:
             text, ids = None, list(prompt)
             if any((not isinstance(t, int)) or t < 0 or t >= self.runner.arch.vocab_size for t in ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {self.runner.arch.vocab_size})")
+        vocab = self.runner.arch.vocab_size
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         rid = request_id or self.new_request_id()
         if params.guided is not None:
             # Compile now (cached by spec): a bad schema is this request's 400, never a failed engine step.
@@ -274,6 +281,8 @@ class LLMEngine:
             self.mover.close()
         if self.kv_store is not None:
             self.kv_store.close()
+        if self.runner._grammar_compiler is not None:
+            self.runner._grammar_compiler.close()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks. False if unknown or finished."""
@@ -331,4 +340,4 @@ class LLMEngine:
             finished=finished, num_cached_tokens=seq.num_cached_tokens or 0, delta_text=delta,
             delta_token_ids=list(new_ids), arrival_s=seq.arrival_s, scheduled_s=seq.first_scheduled_s,
             first_token_s=seq.first_token_s, restore_wait_s=seq.restore_wait_s,
-            finished_s=seq.finished_s)
+            finished_s=seq.finished_s, error=seq.error)

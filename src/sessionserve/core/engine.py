@@ -6,13 +6,14 @@ function returning seconds (wall time in serving, virtual time in simulation).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import SchedulerConfig
 from sessionserve.core.admission import AdmissionDoor, WorkingSetAdmission
-from sessionserve.core.executor import Executor
+from sessionserve.core.executor import Executor, ExecutorOutput
 from sessionserve.core.priority import priority_rank
 from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.core.scheduler import Scheduler, SchedulerOutput
@@ -20,6 +21,8 @@ from sessionserve.core.sequence import Sequence, SequenceStatus
 from sessionserve.core.session import ParkHint, Session, SessionState
 from sessionserve.core.session_manager import SessionBusyError, SessionManager
 from sessionserve.core.spec import Proposer, SpecPolicy, StepCostFit
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -56,6 +59,10 @@ class EngineCore:
         self.num_spec_accepted = 0
         self.num_spec_steps = 0  # sequence-steps that verified at least one proposed token
         self.execute_s: float | None = None  # EMA of a decode step's executor time (the draft cost's unit)
+        self.num_failed_steps = 0  # steps whose executor raised (each request then ran alone; see _execute)
+        self.num_aborted = 0
+        self.num_aborted_before_start = 0  # aborted while queued (or held at the door): nothing computed
+        self.num_aborted_prefill_tokens = 0  # prompt tokens computed (not cached) for requests then aborted
         self.step_fit = StepCostFit()  # decode step time vs tokens: where verifying drafts stops being free
         # Session admission by working set (None: off): new sessions wait at the door past the knee.
         self.door = AdmissionDoor(WorkingSetAdmission(int(kv.pool.num_blocks * scheduler_config.admission_fill),
@@ -123,6 +130,11 @@ class EngineCore:
         if seq is None or seq.is_finished:
             self.requests.pop(request_id, None)
             return False
+        self.num_aborted += 1
+        if seq.first_scheduled_s is None:
+            self.num_aborted_before_start += 1
+        self.num_aborted_prefill_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                                                  - (seq.num_cached_tokens or 0))
         self.finish(request_id, SequenceStatus.FINISHED_ABORTED)
         return True
 
@@ -169,6 +181,31 @@ class EngineCore:
             assert self.proposer is not None
             self.proposer.propose(seqs, counts)
 
+    def _execute(self, plan: SchedulerOutput) -> tuple[ExecutorOutput, dict[str, str]]:
+        """Run the plan. If it raises, run its chunks one at a time: a request whose inputs make the step
+        fail fails alone (returned: request id -> why); the others get the tokens the whole step would give."""
+        try:
+            return self.executor.execute(plan), {}
+        except Exception:
+            self.num_failed_steps += 1
+            logger.exception("engine step failed (%d requests); running them one at a time", len(plan.chunks))
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, dict[int, float]] = {}
+        accepted: dict[str, list[int]] = {}
+        failed: dict[str, str] = {}
+        for i, chunk in enumerate(plan.chunks):
+            alone = replace(plan, chunks=(chunk,), num_batched_tokens=chunk.num_tokens,
+                            preempted=plan.preempted if i == 0 else ())
+            try:
+                out = self.executor.execute(alone)
+            except Exception as exc:  # noqa: BLE001 - this request's failure, reported on its own stream
+                failed[chunk.seq.request_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            sampled.update(out.sampled)
+            logprobs.update(out.logprobs)
+            accepted.update(out.accepted)
+        return ExecutorOutput(sampled, logprobs, accepted), failed
+
     # -- sessions ---------------------------------------------------------------------------
 
     def open_session(self, session_id: str, tenant: str = "", priority: str = "interactive") -> Session:
@@ -214,7 +251,11 @@ class EngineCore:
             if chunk.seq.first_scheduled_s is None:
                 chunk.seq.first_scheduled_s = t0
         num_before = {chunk.seq: chunk.seq.num_tokens for chunk in plan.chunks if chunk.num_spec}
-        result = self.executor.execute(plan)
+        result, failed = self._execute(plan)
+        if failed:
+            plan = replace(plan, chunks=tuple(c for c in plan.chunks if c.seq.request_id not in failed),
+                           num_batched_tokens=sum(c.num_tokens for c in plan.chunks
+                                                  if c.seq.request_id not in failed))
         finished = self.scheduler.update(plan, result.sampled, result.accepted)
         now = self.clock()
         if all(c.num_tokens - c.num_spec == 1 for c in plan.chunks):  # decodes only: the unit of draft cost
@@ -247,6 +288,12 @@ class EngineCore:
                 # accepted drafts, then the target's own token, cut where a stop ended the sequence
                 new_ids = (result.accepted.get(seq.request_id, []) + [token])[:seq.num_tokens - num_before[seq]]
             outputs.append(StepOutput(seq, new_ids, seq.is_finished))
+        for request_id, error in failed.items():
+            seq = self.requests.get(request_id)
+            if seq is not None:
+                seq.error = error
+                self.finish(request_id, SequenceStatus.FINISHED_ABORTED)
+                outputs.append(StepOutput(seq, [], True))
         for seq in finished:
             seq.finished_s = now
             self.requests.pop(seq.request_id, None)

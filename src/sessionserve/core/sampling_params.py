@@ -65,7 +65,8 @@ class SamplingParams:
         _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        _check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63), "seed",
+               "must be an integer in the int64 range")
         _check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias", "values must be in [-100, 100]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")

@@ -56,6 +56,8 @@ class Sequence:
     first_token_s: float | None = None
     finished_s: float | None = None
     stop_reason: int | str | None = None
+    # Why the request failed inside a step (its inputs made the executor raise); None: it did not.
+    error: str | None = None
     # Key that takes over the blocks when the sequence finishes (a session keeping
     # its KV between turns); None frees them.
     kv_successor: str | None = None

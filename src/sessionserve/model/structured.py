@@ -26,7 +26,7 @@ import logging
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xgrammar as xgr
@@ -35,6 +35,9 @@ from tokenizers import Tokenizer as _HFTokenizer
 from sessionserve.core.guided import GuidedDecoding, ToolFormat, tool_format_of
 from sessionserve.model.hf_config import load_arch
 from sessionserve.model.tokenizer import read_chat_template
+
+if TYPE_CHECKING:
+    from sessionserve.model.grammar_worker import GrammarWorker
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,9 @@ class GrammarCompiler:
     def __init__(self, model_dir: str | Path, stop_token_ids: tuple[int, ...] | None = None,
                  max_threads: int = 8) -> None:
         path = Path(model_dir)
+        self.model_dir = path
+        self._stop_token_ids = stop_token_ids
+        self._worker: GrammarWorker | None = None
         arch = load_arch(path)
         tokenizer_json = (path / "tokenizer.json").read_text()
         self._tok = _HFTokenizer.from_str(tokenizer_json)
@@ -85,22 +91,40 @@ class GrammarCompiler:
         self.marker_token_ids = tuple(i for i in map(self._single_token, _GUARDED_MARKERS) if i is not None)
 
     def compile(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
-        """The compiled grammar for `guided` (cached). Raises ValueError for a spec xgrammar rejects."""
+        """The compiled grammar for `guided` (cached). Raises ValueError for a spec xgrammar rejects, one
+        nested too deeply, or (with a worker, see `use_worker`) one that takes too long to compile."""
         key = (guided.kind, guided.spec)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        try:
-            compiled = self._compile(guided)
-        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports bad specs as these
-            raise ValueError(f"cannot compile {guided.kind} constraint: {exc}") from None
+        if self._worker is not None:
+            compiled = xgr.CompiledGrammar.deserialize_json(self._worker.compile(guided), self.tokenizer_info)
+        else:
+            try:
+                compiled = self._compile(guided)
+            except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports bad specs as these
+                raise ValueError(f"cannot compile {guided.kind} constraint: {exc}") from None
+            except RecursionError:
+                raise ValueError(f"cannot compile {guided.kind} constraint: it is nested too deeply") from None
         with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > _CACHE_MAX_ENTRIES:
                 self._cache.popitem(last=False)
         return compiled
+
+    def use_worker(self, timeout_s: float) -> None:
+        """Compile cache misses in a child process, stopped past `timeout_s` (see model/grammar_worker.py)."""
+        from sessionserve.model.grammar_worker import GrammarWorker
+
+        if self._worker is None:
+            self._worker = GrammarWorker(self.model_dir, self._stop_token_ids, timeout_s)
+        self._worker.timeout_s = timeout_s
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
 
     def constraint(self, guided: GuidedDecoding, stop_token_ids: tuple[int, ...] = ()) -> Constraint:
         """A fresh per-request matcher; `stop_token_ids` (a request's own) end the output too, besides EOS."""

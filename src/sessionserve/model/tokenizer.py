@@ -18,6 +18,8 @@ as special tokens, so the tool-call parser sees them.
 
 from __future__ import annotations
 
+import functools
+
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -187,6 +189,13 @@ class Tokenizer:
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token stands for (its longest vocabulary entry:
+        byte-level entries spell a byte per character, so they are never shorter than their text). A text of
+        n characters is at least n / max_token_chars tokens, known without tokenizing it."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids

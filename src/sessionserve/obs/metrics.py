@@ -71,6 +71,12 @@ class Metrics:
             "conversation the session holds matched; only the new messages were tokenized and sent, the model's own "
             "reply tokens kept), prefix (re-rendered and cut to the longest common prefix), new, none (no session)",
             labels + ["how"], registry=r)
+        self.aborted = Gauge("sessionserve_aborted_requests", "Requests aborted (client gone, closed), by whether "
+                             "they had started computing", labels + ["stage"], registry=r)
+        self.aborted_prefill = Gauge("sessionserve_aborted_prefill_tokens", "Prompt tokens computed for requests "
+                                     "that were then aborted (not served from the cache)", labels, registry=r)
+        self.failed_steps = Gauge("sessionserve_failed_steps", "Engine steps that raised; each request then ran "
+                                  "alone and only the ones that raised failed", labels, registry=r)
         self.admission = Gauge("sessionserve_admission", "Session admission by working set: turns waiting at the "
                                "door now, sessions admitted, turns that waited since start", labels + ["what"],
                                registry=r)
@@ -120,6 +126,10 @@ class Metrics:
         self.spec_tokens.labels(m, "proposed").set(core.num_spec_proposed)
         self.spec_tokens.labels(m, "accepted").set(core.num_spec_accepted)
         self.spec_tokens.labels(m, "steps").set(core.num_spec_steps)
+        self.aborted.labels(m, "before_start").set(core.num_aborted_before_start)
+        self.aborted.labels(m, "running").set(core.num_aborted - core.num_aborted_before_start)
+        self.aborted_prefill.labels(m).set(core.num_aborted_prefill_tokens)
+        self.failed_steps.labels(m).set(core.num_failed_steps)
         door = core.door
         if door is not None:
             self.admission.labels(m, "waiting").set(len(door.held))

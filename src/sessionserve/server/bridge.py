@@ -2,8 +2,9 @@
 
 The event loop never blocks on compute. Requests and session commands go to
 the engine thread through one queue and are applied between steps; each
-request's outputs come back on its own asyncio queue. A failure inside a step
-fails the requests of that step and the engine goes on.
+request's outputs come back on its own asyncio queue. A request whose inputs
+make a step fail gets the error alone (the engine runs the others on); a
+step that fails outside that fails its running requests, and the engine goes on.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stop = threading.Event()
         self._draining = False
-        self.num_step_errors = 0
+        self.num_step_errors = 0  # steps that raised out of the engine: every running request failed
+        self.num_failed_requests = 0  # requests that failed a step alone (the engine ran the others on)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -230,6 +232,10 @@ class AsyncEngine:
                     continue
                 if out.finished:
                     del self._streams[out.request_id]
+                if out.error is not None:  # this request alone failed the step (the others went on)
+                    self.num_failed_requests += 1
+                    s.loop.call_soon_threadsafe(s.queue.put_nowait, RuntimeError(f"engine step failed: {out.error}"))
+                    continue
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
             if self.on_step is not None and (outputs or busy):
                 self.on_step(eng, time.perf_counter() - t0, time.thread_time() - c0)

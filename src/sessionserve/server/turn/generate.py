@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 # How long a turn waits for its session's KV to finish moving between tiers before a 409.
 MOVE_WAIT_S = 10.0
+# How long a request's grammar (response format, forced tool calls) may take to compile before a 400.
+GRAMMAR_TIMEOUT_S = 10.0
 
 
 def check_in_flight(state: ServerState, tenant: str) -> None:
@@ -40,6 +42,34 @@ def check_in_flight(state: ServerState, tenant: str) -> None:
     if state.in_flight.get(tenant, 0) >= state.config.max_requests_per_tenant:
         raise P.OpenAIError(429, f"Too many requests in flight for this API key (limit "
                                  f"{state.config.max_requests_per_tenant}).", "rate_limit_error", code="too_many_requests")
+
+
+def check_prompt_size(turn: TurnRequest, eng: LLMEngine) -> None:
+    """A 400 for a prompt whose text alone is too long for the context, before anything renders or tokenizes
+    it: its characters bound its tokens from below (Tokenizer.max_token_chars), so a huge body costs a
+    count, not seconds of tokenization."""
+    chars = _text_chars([turn.prompt, turn.conversation, turn.tools])
+    at_least = chars // eng.tokenizer.max_token_chars
+    if at_least >= eng.max_model_len:
+        raise P.OpenAIError(400, f"This model's maximum context length is {eng.max_model_len} tokens; the "
+                                 f"prompt has at least {at_least} tokens ({chars} characters).",
+                            "invalid_request_error", param="prompt" if turn.messages is None else "messages",
+                            code="context_length_exceeded")
+
+
+def _text_chars(value: object) -> int:
+    """Characters in the strings of a JSON-like value (keys included), without recursion."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(k) for k in item if isinstance(k, str))
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 def make_params(sampling: dict, max_tokens: int | None, num_prompt: int, eng: LLMEngine, clamp: bool = False,
@@ -56,6 +86,10 @@ def make_params(sampling: dict, max_tokens: int | None, num_prompt: int, eng: LL
         raise P.OpenAIError(400, f"max_tokens is {max_tokens}, but the prompt has {num_prompt} tokens and the "
                                  f"context is {eng.max_model_len}.", "invalid_request_error", param="max_tokens",
                             code="context_length_exceeded")
+    vocab = eng.runner.arch.vocab_size
+    for name in ("logit_bias", "stop_token_ids"):
+        if any(not 0 <= t < vocab for t in sampling.get(name) or ()):
+            raise P.bad_request(f"{name} has token ids outside this model's vocabulary [0, {vocab}).", name)
     min_tokens = sampling.get("min_tokens", 0)
     if min_tokens > max_tokens:
         raise P.bad_request(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens")
@@ -63,6 +97,18 @@ def make_params(sampling: dict, max_tokens: int | None, num_prompt: int, eng: LL
         return SamplingParams(**sampling, max_tokens=max_tokens, **extra)
     except ValueError as exc:
         raise P.OpenAIError(400, str(exc), "invalid_request_error") from None
+
+
+async def compile_guided(slot: ModelSlot, guided: GuidedDecoding) -> None:
+    """Compile the request's grammar before the engine takes it: in a child process stopped past
+    GRAMMAR_TIMEOUT_S, awaited off the event loop and the engine thread (which then finds it cached).
+    A bad spec, or one too slow to compile, is the request's 400."""
+    compiler = slot.engine.runner.grammar_compiler
+    compiler.use_worker(GRAMMAR_TIMEOUT_S)
+    try:
+        await asyncio.to_thread(compiler.compile, guided)
+    except ValueError as exc:
+        raise P.bad_request(str(exc), "tools" if guided.kind == "tool_calls" else "response_format") from None
 
 
 async def start_generation(state: ServerState, request: Request, slot: ModelSlot,
@@ -84,7 +130,7 @@ async def start_generation(state: ServerState, request: Request, slot: ModelSlot
     try:
         while True:
             try:
-                outputs = await slot.bridge.submit(prepare, params, request.state.request_id,
+                outputs = await slot.bridge.submit(prepare, params, engine_request_id(request),
                                                   salt=tenant_salt(tenant), priority=priority, park_hint=park_hint)
                 break
             except SessionMovingError as exc:
@@ -101,6 +147,11 @@ async def start_generation(state: ServerState, request: Request, slot: ModelSlot
         raise
     outputs.on_end(release)
     return outputs
+
+
+def engine_request_id(request: Request) -> str:
+    """The engine's id for the request: the client's X-Request-ID within its tenant's namespace."""
+    return getattr(request.state, "engine_request_id", None) or request.state.request_id
 
 
 def guided_decoding(turn: TurnRequest) -> GuidedDecoding | None:

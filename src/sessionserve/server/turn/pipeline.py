@@ -40,6 +40,8 @@ from sessionserve.server.turn.continuation import (
 )
 from sessionserve.server.turn.generate import (
     check_in_flight,
+    check_prompt_size,
+    compile_guided,
     guided_decoding,
     make_params,
     start_generation,
@@ -164,6 +166,10 @@ class TurnPipeline:
         target = _Target(explicit=turn.session.explicit is not None)
         if turn.session.explicit is not None:
             target.key = session_key(tenant, turn.session.explicit)
+        check_prompt_size(turn, slot.engine)
+        guided = guided_decoding(turn)
+        if guided is not None:
+            await compile_guided(slot, guided)
         if turn.messages is None:
             prompt = await self._raw_prompt(turn, slot)
             prepare, num_prompt = self._prepare_raw(request, turn, slot, prompt, target), len(prompt)
@@ -172,7 +178,7 @@ class TurnPipeline:
             plan = await self._plan(request, turn, slot, target, want_full=False)
             prepare, num_prompt = self._prepare_chat(request, turn, slot, plan, target), plan.num_prompt_tokens
         params = make_params(turn.sampling, turn.max_tokens, num_prompt, slot.engine, turn.clamp_max_tokens,
-                             guided=guided_decoding(turn), logprobs=turn.logprobs)
+                             guided=guided, logprobs=turn.logprobs)
         try:
             outputs = await start_generation(self.state, request, slot, prepare, params, turn.priority,
                                              self._park_hint(turn, slot))
@@ -180,7 +186,7 @@ class TurnPipeline:
             assert turn.messages is not None
             plan = await self._plan(request, turn, slot, target, want_full=True)
             params = make_params(turn.sampling, turn.max_tokens, plan.num_prompt_tokens, slot.engine,
-                                 turn.clamp_max_tokens, guided=guided_decoding(turn), logprobs=turn.logprobs)
+                                 turn.clamp_max_tokens, guided=guided, logprobs=turn.logprobs)
             outputs = await start_generation(self.state, request, slot,
                                              self._prepare_chat(request, turn, slot, plan, target), params,
                                              turn.priority, self._park_hint(turn, slot))
@@ -397,17 +403,27 @@ class ActiveTurn:
                           route=self.route, escalated_from=self.escalated_from, continuation=cont, cut_tool_call=cut)
 
     async def result(self) -> TurnResult:
-        """The finished turn; aborts the request if the client disconnects meanwhile (seen at its next output)."""
+        """The finished turn; aborts the request as soon as the client disconnects (queued or running)."""
+        events = self.events()
         watcher = asyncio.ensure_future(until_disconnected(self.request))
         try:
-            async for event in self.events():
-                if isinstance(event, TurnResult):
-                    return event
-                if watcher.done():
+            while True:
+                step = asyncio.ensure_future(anext(events))
+                await asyncio.wait((step, watcher), return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():  # the client hung up before the next output (maybe before any)
+                    step.cancel()
+                    await asyncio.gather(step, return_exceptions=True)
                     self.close()
                     raise P.OpenAIError(499, "Client closed the request.", "invalid_request_error")
+                try:
+                    event = step.result()
+                except StopAsyncIteration:
+                    break
+                if isinstance(event, TurnResult):
+                    return event
         finally:
             watcher.cancel()
+            await events.aclose()
         raise P.OpenAIError(500, "The turn ended without a result.", "server_error")
 
 
