@@ -10,9 +10,9 @@ from sessionserve.obs.native_memory import cap_primitive_cache
 cap_primitive_cache()  # before torch runs a oneDNN kernel
 
 if TYPE_CHECKING:
-    from sessionserve.core.sampling_params import SamplingParams
     from sessionserve.llm import LLM
     from sessionserve.llm_engine import CompletionOutput, LLMEngine, RequestOutput
+    from sessionserve.types.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 # Imported on first use: the engine pulls in torch (~1 s), which the simulator, the planner and the
 # trace tools never need.
 _LAZY = {"LLM": "sessionserve.llm", "LLMEngine": "sessionserve.llm_engine",
-         "SamplingParams": "sessionserve.core.sampling_params", "RequestOutput": "sessionserve.llm_engine",
+         "SamplingParams": "sessionserve.types.sampling_params", "RequestOutput": "sessionserve.llm_engine",
          "CompletionOutput": "sessionserve.llm_engine"}
 
 

@@ -11,10 +11,12 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from sessionserve.core.priority import PriorityPolicy
-
 MiB = 1 << 20
 GiB = 1 << 30
+
+# The values of SchedulerConfig.scheduling_policy and .scheduling_order (core/priority.py says what each does).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_ORDERS = ("program", "request")
 
 
 @dataclass(frozen=True)
@@ -98,16 +100,20 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        self.priority_policy()  # validates the policy fields
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                             f"got {self.scheduling_policy!r}")
+        if self.scheduling_order not in SCHEDULING_ORDERS:
+            raise ValueError(f"scheduling_order must be one of {', '.join(SCHEDULING_ORDERS)}; "
+                             f"got {self.scheduling_order!r}")
+        if self.las_quantum_tokens < 0 or self.aging_s <= 0 or self.starvation_s <= 0 or self.preempt_after_s < 0:
+            raise ValueError("las_quantum_tokens >= 0, aging_s > 0, starvation_s > 0, preempt_after_s >= 0")
+        if self.background_prefill_tokens is not None and self.background_prefill_tokens < 0:
+            raise ValueError(f"background_prefill_tokens must be >= 0, got {self.background_prefill_tokens}")
         if self.admission not in ("off", "working-set"):
             raise ValueError(f"admission must be off or working-set, got {self.admission!r}")
         if not 0 < self.admission_fill <= 4:
             raise ValueError(f"admission_fill must be in (0, 4], got {self.admission_fill}")
-
-    def priority_policy(self) -> PriorityPolicy:
-        return PriorityPolicy(self.scheduling_policy, self.las_quantum_tokens, self.aging_s,
-                              self.starvation_s, self.preempt_after_s, self.scheduling_order,
-                              self.resolved_background_prefill_tokens)
 
     @property
     def resolved_background_prefill_tokens(self) -> int:

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from sessionserve.config import Config
-from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.llm_engine import LLMEngine, RequestOutput
+from sessionserve.types.sampling_params import SamplingParams
 
 
 def resolve_model_path(model: str | None) -> str:

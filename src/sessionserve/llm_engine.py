@@ -24,14 +24,15 @@ from sessionserve.cache.mover import ThreadMover
 from sessionserve.config import Config
 from sessionserve.core.engine import EngineCore
 from sessionserve.core.residency import MoveCosts, make_policy
-from sessionserve.core.sampling_params import SamplingParams
-from sessionserve.core.sequence import Sequence, SequenceStatus
-from sessionserve.core.session import ParkHint, Session, Tier
+from sessionserve.core.session import Session
 from sessionserve.core.session_manager import SessionManager
 from sessionserve.core.spec import NgramProposer, Proposer, SpecPolicy
 from sessionserve.model.runner import ModelRunner
 from sessionserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from sessionserve.obs.native_memory import HeapTrimmer
+from sessionserve.types.kv_mover import Tier
+from sessionserve.types.sampling_params import SamplingParams
+from sessionserve.types.sequence import ParkHint, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

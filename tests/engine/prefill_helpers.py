@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from sessionserve.cache.kv_manager import KVCacheManager
-from sessionserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from sessionserve.types.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
 def causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import CacheConfig, ModelConfig
-from sessionserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from sessionserve.types.scheduler_output import ScheduledChunk, SchedulerOutput
 from tests.unit.core.utils import create_seq
 
 transformers = pytest.importorskip("transformers")

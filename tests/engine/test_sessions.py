@@ -11,7 +11,8 @@ import torch
 from sessionserve import LLMEngine, SamplingParams
 from sessionserve.config import Config
 from sessionserve.core.residency import ActionKind, ResidencyAction
-from sessionserve.core.session import Residency, Tier
+from sessionserve.core.session import Residency
+from sessionserve.types.kv_mover import Tier
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -332,7 +333,7 @@ def test_forks_equal_independent_sessions_and_share_blocks(tiny_llama: Path, tmp
 def test_the_policy_first_sees_a_parked_session_with_its_wait(tiny_llama: Path, tmp_path: Path) -> None:
     """What a turn will wait on goes with the turn: the residency policy's first view of the parked session
     already has the client's expected wait and the tools the reply called."""
-    from sessionserve.core.session import ParkHint
+    from sessionserve.types.sequence import ParkHint
 
     eng = make_engine(tiny_llama, tmp_path, residency_policy="predictive")
     seen: list = []

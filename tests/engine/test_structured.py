@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from sessionserve import LLM, SamplingParams
-from sessionserve.core.guided import GuidedDecoding, ToolFormat
 from sessionserve.model.structured import GrammarCompiler, apply_constraints
 from sessionserve.server.turn.tool_calls import parse_output
+from sessionserve.types.guided import GuidedDecoding, ToolFormat
 
 # Bounded strings and integers: random weights otherwise write unbounded strings and digits.
 PERSON = {"type": "object", "properties": {

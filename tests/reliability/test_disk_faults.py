@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from sessionserve.core.residency import ActionKind, ResidencyAction
-from sessionserve.core.session import Residency, Tier
+from sessionserve.core.session import Residency
+from sessionserve.types.kv_mover import Tier
 from tests.reliability.conftest import ALICE, BOB, assert_all_free, chat, close_all_sessions, live_server, wait_until
 from tests.server.conftest import LiveServer
 

@@ -45,7 +45,8 @@ def test_rewrite_rejected_while_the_kv_moves_leaves_the_session_unchanged(tiny_l
     import time
 
     from sessionserve.core.residency import ActionKind, ResidencyAction
-    from sessionserve.core.session import Residency, Tier
+    from sessionserve.core.session import Residency
+    from sessionserve.types.kv_mover import Tier
     from sessionserve.core.session_manager import SessionBusyError
 
     eng = LLMEngine(Config.from_kwargs(num_blocks=64, block_size=16, host_kv_bytes=8 << 20,

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from sessionserve.core.residency import ActionKind, ResidencyAction
-from sessionserve.core.session import Residency, Tier
+from sessionserve.core.session import Residency
+from sessionserve.types.kv_mover import Tier
 from sessionserve.server import protocol as P
 from tests.reliability.conftest import ALICE, BOB, chat, live_server, wait_until
 from tests.server.conftest import KEYS, LiveServer

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 
 from sessionserve.core.residency import ActionKind, ResidencyAction
-from sessionserve.core.session import Residency, Tier
+from sessionserve.core.session import Residency
+from sessionserve.types.kv_mover import Tier
 from tests.reliability.conftest import ALICE, assert_all_free, chat, kv_state, live_server, wait_until
 from tests.server.conftest import LiveServer
 from tests.server.test_openai_api import TOOLS

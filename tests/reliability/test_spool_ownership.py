@@ -26,7 +26,8 @@ from sessionserve.cache.disk_tier import DiskTier
 from sessionserve.cache.kv_layout import KVLayout
 from sessionserve.config import Config
 from sessionserve.core.residency import ActionKind, ResidencyAction
-from sessionserve.core.session import Residency, Tier
+from sessionserve.core.session import Residency
+from sessionserve.types.kv_mover import Tier
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DISK_KV_BYTES = 1 << 20  # each parked session below is 7 blocks (~230 KB): 4 fit, 5 do not

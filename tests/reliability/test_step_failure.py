@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sessionserve.core.sequence import Sequence
+from sessionserve.types.sequence import Sequence
 from tests.reliability.conftest import (
     ALICE,
     assert_all_free,

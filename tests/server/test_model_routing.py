@@ -11,12 +11,12 @@ import pytest
 
 from sessionserve import LLMEngine
 from sessionserve.config import Config
-from sessionserve.router.model_route import ModelRoutePolicy
+from sessionserve.server.app import create_app
+from sessionserve.server.auth import Auth
+from sessionserve.server.model_route import ModelRoutePolicy
 from sessionserve.server.turn import model_choice
 from sessionserve.server.turn import pipeline as turn_pipeline
 from sessionserve.server.turn.types import ToolCall
-from sessionserve.server.app import create_app
-from sessionserve.server.auth import Auth
 from tests.server.conftest import KEYS, run_app
 
 AUTH = {"Authorization": "Bearer key-alice"}

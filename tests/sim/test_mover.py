@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sessionserve.core.kv_mover import MoveKind
-from sessionserve.core.session import Tier
 from sessionserve.sim.clock import VirtualClock
 from sessionserve.sim.mover import VirtualMover
+from sessionserve.types.kv_mover import MoveKind, Tier
 
 
 def make() -> tuple[VirtualClock, VirtualMover]:

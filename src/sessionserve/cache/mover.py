@@ -1,6 +1,6 @@
 """The background mover: copies parked sessions' KV between the device pool and host/disk tiers.
 
-Implements `core.kv_mover.KVMover`. One worker thread takes jobs in order;
+Implements `types.kv_mover.KVMover`. One worker thread takes jobs in order;
 PyTorch copies release the GIL, so the engine loop keeps stepping while a
 session moves. (On CUDA the copies go to pinned host memory; the worker's
 copies then overlap compute on the default stream's idle time.) Every job
@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from sessionserve.cache.disk_tier import CorruptKVError, DiskHandle, DiskTier
 from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.kv_layout import KVCaches, KVLayout, gather_blocks, scatter_blocks
-from sessionserve.core.kv_mover import MoveDone, MoveKind
-from sessionserve.core.session import Tier
+from sessionserve.types.kv_mover import MoveDone, MoveKind, Tier
 
 logger = logging.getLogger(__name__)
 

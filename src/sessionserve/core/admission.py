@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from sessionserve.core.sequence import Sequence
     from sessionserve.core.session import Session
     from sessionserve.core.session_manager import SessionManager
+    from sessionserve.types.sequence import Sequence
 
 
 class Member(NamedTuple):

@@ -13,14 +13,15 @@ from dataclasses import dataclass, replace
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import SchedulerConfig
 from sessionserve.core.admission import AdmissionDoor, WorkingSetAdmission
-from sessionserve.core.executor import Executor, ExecutorOutput
 from sessionserve.core.priority import priority_rank
-from sessionserve.core.sampling_params import SamplingParams
-from sessionserve.core.scheduler import Scheduler, SchedulerOutput
-from sessionserve.core.sequence import Sequence, SequenceStatus
-from sessionserve.core.session import ParkHint, Session, SessionState
+from sessionserve.core.scheduler import Scheduler
+from sessionserve.core.session import Session, SessionState
 from sessionserve.core.session_manager import SessionBusyError, SessionManager
 from sessionserve.core.spec import Proposer, SpecPolicy, StepCostFit
+from sessionserve.types.executor import Executor, ExecutorOutput
+from sessionserve.types.sampling_params import SamplingParams
+from sessionserve.types.scheduler_output import SchedulerOutput
+from sessionserve.types.sequence import ParkHint, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from sessionserve.core.residency_view import (
     ResidencyView,
     pressure,
 )
-from sessionserve.core.session import Residency, Tier
+from sessionserve.core.session import Residency
+from sessionserve.types.kv_mover import Tier
 
 
 def _remaining_after(p50_s: float, p90_s: float, waited_s: float) -> float:

@@ -34,10 +34,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sessionserve.config import SCHEDULING_ORDERS, SCHEDULING_POLICIES
+
+if TYPE_CHECKING:
+    from sessionserve.config import SchedulerConfig
 
 PRIORITY_CLASSES = ("interactive", "batch")
-SCHEDULING_POLICIES = ("fcfs", "priority")
-SCHEDULING_ORDERS = ("program", "request")
 
 
 def priority_rank(name: str) -> int:
@@ -46,14 +50,6 @@ def priority_rank(name: str) -> int:
         return PRIORITY_CLASSES.index(name)
     except ValueError:
         raise ValueError(f"priority must be one of {', '.join(PRIORITY_CLASSES)}; got {name!r}") from None
-
-
-@dataclass(eq=False, slots=True)
-class Program:
-    """Service received by one program (a session's turns share one)."""
-
-    service_tokens: int = 0
-    start_s: float | None = None  # when its first request arrived: its place in line under program order
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +83,12 @@ class PriorityPolicy:
             raise ValueError("las_quantum_tokens >= 0, aging_s > 0, starvation_s > 0, preempt_after_s >= 0")
         if self.background_prefill_tokens < 0:
             raise ValueError(f"background_prefill_tokens must be >= 0, got {self.background_prefill_tokens}")
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> PriorityPolicy:
+        """The policy a scheduler with `config` orders its queues by."""
+        return cls(config.scheduling_policy, config.las_quantum_tokens, config.aging_s, config.starvation_s,
+                   config.preempt_after_s, config.scheduling_order, config.resolved_background_prefill_tokens)
 
     def service_level(self, service_tokens: int) -> int:
         """0 for the first quantum of service, then one level per doubling; always 0 when LAS is off."""

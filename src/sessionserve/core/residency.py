@@ -37,7 +37,8 @@ from sessionserve.core.residency_view import (
     ViewDelta,
     pressure,
 )
-from sessionserve.core.session import Residency, Tier
+from sessionserve.core.session import Residency
+from sessionserve.types.kv_mover import Tier
 
 __all__ = ["POLICIES", "ActionKind", "DiscardPolicy", "KeepPolicy", "LeastWastePolicy", "MoveCosts",
            "ParkedSession", "PredictivePolicy", "ResidencyAction", "ResidencyPolicy", "ResidencyView",

@@ -9,8 +9,9 @@ from __future__ import annotations
 from enum import Enum
 from typing import NamedTuple, Protocol
 
-from sessionserve.core.session import Residency, Tier
+from sessionserve.core.session import Residency
 from sessionserve.core.wait_predictor import WaitPrediction
+from sessionserve.types.kv_mover import Tier
 
 
 class ParkedSession(NamedTuple):

@@ -26,39 +26,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import SchedulerConfig
-from sessionserve.core.sequence import Sequence, SequenceStatus
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """Compute tokens [start, start + num_tokens) of `seq` this step."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    # The chunk reaches the sequence's last token, so a next token is sampled.
-    samples: bool
-    # Of num_tokens, this many at the end are proposed tokens (seq.spec_token_ids) to verify.
-    num_spec: int = 0
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's plan. Chunks are ordered: running sequences, then newly admitted ones."""
-
-    chunks: tuple[ScheduledChunk, ...]
-    num_batched_tokens: int
-    preempted: tuple[str, ...] = ()
-    # request id -> block ids, live view of the KV manager's tables (read-only for the executor).
-    block_tables: Mapping[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
+from sessionserve.core.priority import PriorityPolicy
+from sessionserve.types.scheduler_output import ScheduledChunk, SchedulerOutput
+from sessionserve.types.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -66,7 +39,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
-        self.policy = config.priority_policy()
+        self.policy = PriorityPolicy.from_config(config)
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from sessionserve.core.priority import Program
+from sessionserve.types.sequence import Program
+
+if TYPE_CHECKING:
+    from sessionserve.types.kv_mover import Tier
 
 
 class SessionState(Enum):
@@ -25,25 +28,6 @@ class Residency(Enum):
     HOST = "host"
     DISK = "disk"
     RESTORING = "restoring"  # device blocks allocated, mover copying back
-
-
-class Tier(Enum):
-    HOST = "host"
-    DISK = "disk"
-
-    # Members are singletons compared by identity: hash them so too, in C (Enum's own __hash__ is Python
-    # code, and tiers key the movers' per-tier counters, read on every engine step).
-    __hash__ = object.__hash__
-
-
-@dataclass(frozen=True, slots=True)
-class ParkHint:
-    """What a session turn will wait on once it ends, given with the turn so the residency policy's first
-    decision on the parked session already has it: the client's expected tool time, and how to read the
-    names of the tools the reply calls from its output token ids (None: it calls none)."""
-
-    expected_wait_s: float | None = None
-    tool_names: Callable[[Sequence[int]], tuple[str, ...]] | None = None
 
 
 @dataclass(slots=True)

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields
 
 from sessionserve.cache.kv_manager import KVCacheManager
-from sessionserve.core.kv_mover import KVMover, MoveDone, MoveKind
 from sessionserve.core.parked_entries import ParkedEntries
 from sessionserve.core.priority import priority_rank
 from sessionserve.core.residency_view import (
@@ -22,9 +21,10 @@ from sessionserve.core.residency_view import (
     ResidencyPolicy,
     ResidencyView,
 )
-from sessionserve.core.sequence import Sequence, SequenceStatus
-from sessionserve.core.session import Residency, Session, SessionState, SessionStats, Tier
+from sessionserve.core.session import Residency, Session, SessionState, SessionStats
 from sessionserve.core.wait_predictor import WaitPredictor
+from sessionserve.types.kv_mover import KVMover, MoveDone, MoveKind, Tier
+from sessionserve.types.sequence import Sequence, SequenceStatus
 
 
 class SessionBusyError(ValueError):

@@ -22,7 +22,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
-from sessionserve.core.sequence import Sequence
+from sessionserve.types.sequence import Sequence
 
 METHODS = ("none", "ngram", "draft")
 

@@ -26,10 +26,10 @@ import torch
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import CacheConfig, ModelConfig
-from sessionserve.core.scheduler import ScheduledChunk, SchedulerOutput
-from sessionserve.core.sequence import Sequence
 from sessionserve.model.runner import ModelRunner
 from sessionserve.model.sampler import logits_to_probs
+from sessionserve.types.scheduler_output import ScheduledChunk, SchedulerOutput
+from sessionserve.types.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

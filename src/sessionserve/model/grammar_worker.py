@@ -15,7 +15,7 @@ import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from sessionserve.core.guided import GuidedDecoding
+from sessionserve.types.guided import GuidedDecoding
 
 # Starting the child (imports, the tokenizer's grammar view) is not the request's time.
 _START_TIMEOUT_S = 120.0

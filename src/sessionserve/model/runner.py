@@ -9,9 +9,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from sessionserve.config import CacheConfig, ModelConfig
-from sessionserve.core.executor import ExecutorOutput
-from sessionserve.core.scheduler import SchedulerOutput
-from sessionserve.core.sequence import Sequence
 from sessionserve.model import paged_kernel, tile_attention
 from sessionserve.model.attention import (
     SPLIT_MIN_ROWS,
@@ -30,6 +27,9 @@ from sessionserve.model.hf_config import ModelArch, load_arch
 from sessionserve.model.loader import load_weights
 from sessionserve.model.packed_linear import pack_linears, packing_supported
 from sessionserve.model.sampler import SampleRow, sample, top_logprobs, verify_sampled
+from sessionserve.types.executor import ExecutorOutput
+from sessionserve.types.scheduler_output import SchedulerOutput
+from sessionserve.types.sequence import Sequence
 
 if TYPE_CHECKING:  # xgrammar takes seconds to import: loaded on the first guided request
     from sessionserve.model.structured import Constraint, GrammarCompiler

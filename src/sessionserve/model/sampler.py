@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sessionserve.core.sampling_params import SamplingParams
+from sessionserve.types.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -32,9 +32,9 @@ import torch
 import xgrammar as xgr
 from tokenizers import Tokenizer as _HFTokenizer
 
-from sessionserve.core.guided import GuidedDecoding, ToolFormat, tool_format_of
 from sessionserve.model.hf_config import load_arch
 from sessionserve.model.tokenizer import read_chat_template
+from sessionserve.types.guided import GuidedDecoding, ToolFormat, tool_format_of
 
 if TYPE_CHECKING:
     from sessionserve.model.grammar_worker import GrammarWorker

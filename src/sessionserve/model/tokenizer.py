@@ -34,7 +34,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 from tokenizers import Tokenizer as _HFTokenizer
 
-from sessionserve.core.guided import ToolFormat, tool_format_of
+from sessionserve.types.guided import ToolFormat, tool_format_of
 
 
 class JsonArguments(dict):

@@ -36,10 +36,10 @@ from sessionserve.llm_engine import LLMEngine
 from sessionserve.obs.cpu_roles import ENGINE, TOKENIZE, CpuRoles, RoleMeter, RolePool
 from sessionserve.obs.metrics import Metrics
 from sessionserve.obs.tracing import Tracer, request_id_var
-from sessionserve.router.model_route import ModelRoutePolicy
 from sessionserve.server.auth import Auth
 from sessionserve.server.bridge import AsyncEngine, EngineDead, EngineOverloaded
 from sessionserve.server.implicit import ImplicitSessions
+from sessionserve.server.model_route import ModelRoutePolicy
 from sessionserve.server.protocol import OpenAIError, format_validation_errors
 from sessionserve.server.response_store import ResponseStore
 from sessionserve.server.turn.identity import SessionIdNotice, session_id_notice

@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sessionserve.core.sampling_params import SamplingParams
-from sessionserve.core.session import ParkHint
 from sessionserve.llm_engine import LLMEngine, RequestOutput
 from sessionserve.obs.cpu_roles import pin_current_thread
+from sessionserve.types.sampling_params import SamplingParams
+from sessionserve.types.sequence import ParkHint
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

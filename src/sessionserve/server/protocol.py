@@ -13,7 +13,6 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from sessionserve.core.guided import GuidedDecoding
 from sessionserve.server.protocol_chat import (
     ChatCompletionRequest,
     ChatMessage,
@@ -55,6 +54,7 @@ from sessionserve.server.protocol_responses import (
     model_list,
     usage_dict,
 )
+from sessionserve.types.guided import GuidedDecoding
 
 __all__ = [
     # errors and validation

@@ -31,8 +31,8 @@ from sessionserve.sim.cost_model import StepShape, plan_shape, step_seconds
 from sessionserve.sim.profile import CostProfile, ModelShape, StepCost
 
 if TYPE_CHECKING:
-    from sessionserve.core.executor import Executor, ExecutorOutput
-    from sessionserve.core.scheduler import SchedulerOutput
+    from sessionserve.types.executor import Executor, ExecutorOutput
+    from sessionserve.types.scheduler_output import SchedulerOutput
 
 FEATURES = ("overhead_s", "per_seq_s", "per_token_s", "per_attn_s")
 
@@ -134,7 +134,7 @@ def fit_step_cost(shapes: Sequence[StepShape], seconds: Sequence[float]) -> tupl
 
 def measure_steps(engine: Any, grid: Grid) -> tuple[list[StepShape], list[float]]:
     """Run each batch of the grid on `engine` (an `LLMEngine`); (shape, seconds) of every step with work."""
-    from sessionserve.core.sampling_params import SamplingParams
+    from sessionserve.types.sampling_params import SamplingParams
 
     rec = _Recorder(engine.core.executor)
     engine.core.executor = rec
@@ -215,7 +215,7 @@ def measure_move_latency_s(kv_caches: Any, num: int = 20) -> float:
     from sessionserve.cache.host_tier import HostTier
     from sessionserve.cache.kv_layout import KVLayout
     from sessionserve.cache.mover import ThreadMover
-    from sessionserve.core.session import Tier
+    from sessionserve.types.kv_mover import Tier
 
     layout = KVLayout.from_kv_caches(kv_caches)
     mover = ThreadMover(kv_caches, HostTier(layout, 4 * layout.block_bytes), None)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from sessionserve.sim.profile import StepCost
 
 if TYPE_CHECKING:
-    from sessionserve.core.scheduler import SchedulerOutput
+    from sessionserve.types.scheduler_output import SchedulerOutput
 
 
 class StepShape(NamedTuple):

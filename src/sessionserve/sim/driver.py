@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.sim.engine import SimEngine
+from sessionserve.types.sampling_params import SamplingParams
 from sessionserve.workload.backend import StepResult
 from sessionserve.workload.inproc import fold_session_stats
 from sessionserve.workload.prompts import PromptBuilder
@@ -38,7 +38,7 @@ from sessionserve.workload.replay import (
 from sessionserve.workload.trace import AgentSession
 
 if TYPE_CHECKING:
-    from sessionserve.core.sequence import Sequence as CoreSequence
+    from sessionserve.types.sequence import Sequence as CoreSequence
 
 # NOTE: the real loop steps an idle engine every IDLE_TICK_S so that time-triggered residency actions (a prefetch
 # before a predicted resume, a TTL drop) happen on time. Here an idle engine steps only when the session manager

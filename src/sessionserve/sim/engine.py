@@ -12,14 +12,15 @@ from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import Config
 from sessionserve.core.engine import EngineCore, StepOutput
 from sessionserve.core.residency import MoveCosts, make_policy
-from sessionserve.core.sampling_params import SamplingParams
-from sessionserve.core.session import Session, Tier
+from sessionserve.core.session import Session
 from sessionserve.core.session_manager import SessionManager
 from sessionserve.sim.clock import VirtualClock
 from sessionserve.sim.executor import CostModelExecutor
 from sessionserve.sim.mover import VirtualMover
 from sessionserve.sim.prefix_cache import SimHostPrefixCache
 from sessionserve.sim.profile import CostProfile
+from sessionserve.types.kv_mover import Tier
+from sessionserve.types.sampling_params import SamplingParams
 
 # NOTE: how often the real engine refreshes the policy's costs (LLMEngine.step): same cadence here.
 COST_UPDATE_STEPS = 32

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sessionserve.core.executor import ExecutorOutput
 from sessionserve.sim.clock import VirtualClock
 from sessionserve.sim.cost_model import plan_shape, step_seconds
 from sessionserve.sim.profile import StepCost
+from sessionserve.types.executor import ExecutorOutput
 
 if TYPE_CHECKING:
-    from sessionserve.core.scheduler import SchedulerOutput
+    from sessionserve.types.scheduler_output import SchedulerOutput
 
 
 class CostModelExecutor:

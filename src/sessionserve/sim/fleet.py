@@ -31,10 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sessionserve.cache.block_hash import extend_block_hashes
-from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.router import policy as rp
 from sessionserve.sim.driver import IDLE_TICK_S, SimStalled, schedule_load, step_result
 from sessionserve.sim.engine import SimEngine
+from sessionserve.types.sampling_params import SamplingParams
 from sessionserve.workload.inproc import fold_session_stats
 from sessionserve.workload.prompts import PromptBuilder
 from sessionserve.workload.replay import LoadSpec, ReplayResult, SessionRecord, StepRecord

@@ -12,9 +12,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from sessionserve.core.kv_mover import MoveDone, MoveKind
-from sessionserve.core.session import Tier
 from sessionserve.sim.clock import VirtualClock
+from sessionserve.types.kv_mover import MoveDone, MoveKind, Tier
 
 
 @dataclass(slots=True)

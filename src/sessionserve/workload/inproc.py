@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from sessionserve.core.sampling_params import SamplingParams
+from sessionserve.types.sampling_params import SamplingParams
 from sessionserve.workload.backend import StepResult
 
 if TYPE_CHECKING:

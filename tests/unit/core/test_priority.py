@@ -8,8 +8,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from sessionserve.core.priority import PriorityPolicy, Program, priority_rank
-from sessionserve.core.sequence import SequenceStatus
+from sessionserve.config import SchedulerConfig
+from sessionserve.core.priority import PriorityPolicy, priority_rank
+from sessionserve.types.sequence import Program, SequenceStatus
 from tests.unit.core.utils import create_scheduler, create_seq, run_step
 
 INTERACTIVE, BATCH = 0, 1
@@ -113,6 +114,18 @@ def test_bad_policy_values_raise() -> None:
         PriorityPolicy(aging_s=0)
     with pytest.raises(ValueError):
         priority_rank("urgent")
+
+
+def test_policy_from_config_and_bad_config_values_raise() -> None:
+    config = SchedulerConfig(scheduling_policy="fcfs", scheduling_order="request", las_quantum_tokens=64, aging_s=2.0,
+                             starvation_s=9.0, preempt_after_s=0.25, max_num_batched_tokens=320)
+    assert PriorityPolicy.from_config(config) == PriorityPolicy(
+        policy="fcfs", las_quantum_tokens=64, aging_s=2.0, starvation_s=9.0, preempt_after_s=0.25, order="request",
+        background_prefill_tokens=20)  # 1/16 of the step budget when not set
+    for bad in ({"scheduling_policy": "lifo"}, {"scheduling_order": "newest"}, {"aging_s": 0},
+                {"background_prefill_tokens": -1}):
+        with pytest.raises(ValueError):
+            SchedulerConfig(**bad)
 
 
 @pytest.mark.parametrize("policy,interactive_first", [("priority", True), ("fcfs", False)])

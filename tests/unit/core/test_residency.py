@@ -15,8 +15,9 @@ from sessionserve.core.residency import (
     ViewDelta,
     make_policy,
 )
-from sessionserve.core.session import Residency, Tier
+from sessionserve.core.session import Residency
 from sessionserve.core.wait_predictor import WaitPrediction
+from sessionserve.types.kv_mover import Tier
 
 COSTS = MoveCosts(host_s_per_block=0.001, disk_s_per_block=0.01, recompute_s_per_token=0.001)
 

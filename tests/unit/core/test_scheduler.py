@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessionserve.core.sequence import SequenceStatus
+from sessionserve.types.sequence import SequenceStatus
 from tests.unit.core.utils import create_scheduler, create_seq, run_step
 
 

@@ -7,11 +7,11 @@ from typing import Any
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import SchedulerConfig
-from sessionserve.core.executor import ExecutorOutput
-from sessionserve.core.priority import Program
-from sessionserve.core.sampling_params import SamplingParams
-from sessionserve.core.scheduler import Scheduler, SchedulerOutput
-from sessionserve.core.sequence import Sequence
+from sessionserve.core.scheduler import Scheduler
+from sessionserve.types.executor import ExecutorOutput
+from sessionserve.types.sampling_params import SamplingParams
+from sessionserve.types.scheduler_output import SchedulerOutput
+from sessionserve.types.sequence import Program, Sequence
 
 _ids = count()
 

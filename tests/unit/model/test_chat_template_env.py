@@ -12,8 +12,8 @@ import pytest
 from jinja2.exceptions import SecurityError, TemplateError
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from sessionserve.core.guided import ToolFormat
 from sessionserve.model.tokenizer import Tokenizer
+from sessionserve.types.guided import ToolFormat
 
 transformers = pytest.importorskip("transformers")
 from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402

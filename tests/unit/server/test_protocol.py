@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from sessionserve.core.sampling_params import SamplingParams
 from sessionserve.server import protocol as P
+from sessionserve.types.sampling_params import SamplingParams
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object",

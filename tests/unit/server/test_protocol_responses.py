@@ -13,10 +13,10 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from sessionserve.server import protocol as P
-from sessionserve.core.guided import ToolFormat
 from sessionserve.server.api.chat_completions import tool_call_dict
 from sessionserve.server.turn.tool_calls import Event, parse_output, tool_call_stream
 from sessionserve.server.turn.types import TextDelta, ToolCallDelta, ToolCallStart
+from sessionserve.types.guided import ToolFormat
 
 USAGE = P.usage_dict(prompt_tokens=10, completion_tokens=4, cached_tokens=8)
 LOGPROBS = [P.TokenLogprob("Hi", -0.1, top=(P.TokenLogprob("Hi", -0.1), P.TokenLogprob("Yo", float("-inf")))),

@@ -10,9 +10,9 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessionserve.core.guided import ToolFormat
 from sessionserve.server.turn.tool_calls import has_call_markup, parse_output, tool_call_stream
 from sessionserve.server.turn.types import ToolCallDelta, ToolCallEnd, ToolCallStart
+from sessionserve.types.guided import ToolFormat
 from tests.unit.server.test_tool_parser import expected, run_stream, split_output
 
 NAMES = {"get_weather", "search"}

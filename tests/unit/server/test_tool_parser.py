@@ -9,9 +9,9 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessionserve.core.guided import ToolFormat
 from sessionserve.server.turn.tool_calls import parse_output, tool_call_stream
 from sessionserve.server.turn.types import TextDelta, ToolCall, ToolCallDelta, ToolCallEnd, ToolCallStart
+from sessionserve.types.guided import ToolFormat
 
 NAMES = {"get_weather", "search"}
 ID = re.compile(r"call_[A-Za-z0-9_-]{24}")

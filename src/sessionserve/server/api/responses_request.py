@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from pydantic import Field, field_validator
 
-from sessionserve.core.guided import GuidedDecoding
 from sessionserve.server import protocol as P
 from sessionserve.server.api.common import request_priority
 from sessionserve.server.turn.identity import session_hint
 from sessionserve.server.turn.types import TurnRequest
+from sessionserve.types.guided import GuidedDecoding
 
 if TYPE_CHECKING:
     from sessionserve.server.response_store import StoredResponse

@@ -1,7 +1,7 @@
 """Which served model runs a turn.
 
 A request names a served model (or one of its aliases, or `default`). With two
-or more models, `auto` routes each chat step (`router.model_route`): plan
+or more models, `auto` routes each chat step (`server/model_route.py`): plan
 steps to the large model, execution steps (after successful tool results) to
 the small one. A small model's answer whose tool calls fail validation is run
 again on the large model (an escalation, counted; the session stays on the
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from sessionserve.router.model_route import step_view, validate_tool_calls
 from sessionserve.server import protocol as P
 from sessionserve.server.app import AUTO_MODEL
+from sessionserve.server.model_route import step_view, validate_tool_calls
 from sessionserve.server.turn.tool_calls import has_call_markup
 from sessionserve.server.turn.types import ToolCall, TurnRequest
 

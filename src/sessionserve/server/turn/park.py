@@ -1,7 +1,7 @@
 """After a turn: where the session stands, metrics and trace.
 
 What the session waits on (the client's expected wait, the tools the reply
-calls) went with the turn (`core.session.ParkHint`), so the residency policy
+calls) went with the turn (`types.sequence.ParkHint`), so the residency policy
 had it when the turn ended. Here the session's new point is read, so the next
 turn of this conversation can continue it exactly.
 """

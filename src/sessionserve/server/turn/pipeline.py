@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from sessionserve.core.session import ParkHint
 from sessionserve.server import protocol as P
 from sessionserve.server.app import engine_error
 from sessionserve.server.auth import tenant_salt
@@ -62,6 +61,7 @@ from sessionserve.server.turn.types import (
     TurnRequest,
     TurnResult,
 )
+from sessionserve.types.sequence import ParkHint
 
 if TYPE_CHECKING:
     from sessionserve.llm_engine import LLMEngine, RequestOutput

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from sessionserve.core.guided import GuidedDecoding
     from sessionserve.llm_engine import RequestOutput
+    from sessionserve.types.guided import GuidedDecoding
 
 Protocol = Literal["chat", "text", "responses", "messages"]
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]

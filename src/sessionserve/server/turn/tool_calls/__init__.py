@@ -1,7 +1,7 @@
 """Model output to text and tool-call events, as it is generated, in the format of the model's family.
 
 A model writes tool calls the way its chat template shows them
-(`core.guided.ToolFormat`, read off the template by `tool_format_of`):
+(`types.guided.ToolFormat`, read off the template by `tool_format_of`):
 
     hermes.py   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`  (Qwen, Hermes, the embedded models)
     llama.py    `{"name": ..., "parameters": {...}}` as the reply, `;` between calls  (Llama 3.x)
@@ -33,7 +33,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from sessionserve.core.guided import ToolFormat
 from sessionserve.server.turn.tool_calls.hermes import HermesCallStream
 from sessionserve.server.turn.tool_calls.llama import PYTHON_TAG, LlamaJsonCallStream
 from sessionserve.server.turn.tool_calls.mistral import TOOL_CALLS, MistralCallStream
@@ -46,6 +45,7 @@ from sessionserve.server.turn.tool_calls.stream import (
     parse_with,
 )
 from sessionserve.server.turn.types import ToolCall
+from sessionserve.types.guided import ToolFormat
 
 __all__ = ["Event", "ToolCallStream", "decode_tool_call", "has_call_markup", "loads_json", "new_call_id",
            "parse_output", "tool_call_stream"]

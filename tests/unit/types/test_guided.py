@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sessionserve.core.guided import GuidedDecoding
-from sessionserve.core.sampling_params import SamplingParams
+from sessionserve.types.guided import GuidedDecoding
+from sessionserve.types.sampling_params import SamplingParams
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 ADD = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}

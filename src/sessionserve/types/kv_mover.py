@@ -1,4 +1,4 @@
-"""The mover interface: copies a session's KV blocks between the device and a lower tier.
+"""The mover interface: copies a session's KV blocks between the device and a lower tier (`Tier`).
 
 The real mover (`sessionserve.cache.mover.ThreadMover`) copies on a worker
 thread (a copy stream on CUDA); the simulator's completes moves on its
@@ -10,7 +10,16 @@ from __future__ import annotations
 from enum import Enum
 from typing import NamedTuple, Protocol
 
-from sessionserve.core.session import Tier
+
+class Tier(Enum):
+    """A lower tier a parked session's KV can be moved to (the device is not one)."""
+
+    HOST = "host"
+    DISK = "disk"
+
+    # Members are singletons compared by identity: hash them so too, in C (Enum's own __hash__ is Python
+    # code, and tiers key the movers' per-tier counters, read on every engine step).
+    __hash__ = object.__hash__
 
 
 class MoveKind(Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from sessionserve.router.model_route import (
+from sessionserve.server.model_route import (
     EXECUTE,
     ModelRoutePolicy,
     StepView,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from sessionserve.core.guided import GuidedDecoding
+from sessionserve.types.guided import GuidedDecoding
 
 
 @dataclass(frozen=True)

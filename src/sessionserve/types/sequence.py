@@ -1,16 +1,36 @@
-"""A request's state as the engine sees it: tokens, progress, status."""
+"""A request's state as the engine sees it: tokens, progress, status; and the two records it carries.
+
+`Program` is the service a program (an agent session's turns, or a lone request) has received, shared by its
+requests; `ParkHint` is what the session will wait on after this turn. Every layer reads these: the
+scheduler (`core`), the executors (`model`, `sim`), the server that builds them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
 
-from sessionserve.core.priority import Program
-from sessionserve.core.sampling_params import SamplingParams
+from sessionserve.types.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from sessionserve.core.session import ParkHint
+
+@dataclass(eq=False, slots=True)
+class Program:
+    """Service received by one program (a session's turns share one); ordering uses it in core/priority.py."""
+
+    service_tokens: int = 0
+    start_s: float | None = None  # when its first request arrived: its place in line under program order
+
+
+@dataclass(frozen=True, slots=True)
+class ParkHint:
+    """What a session turn will wait on once it ends, given with the turn so the residency policy's first
+    decision on the parked session already has it: the client's expected tool time, and how to read the
+    names of the tools the reply calls from its output token ids (None: it calls none)."""
+
+    expected_wait_s: float | None = None
+    tool_names: Callable[[Seq[int]], tuple[str, ...]] | None = None
 
 
 class SequenceStatus(Enum):
@@ -66,7 +86,7 @@ class Sequence:
     # Waiting at the door (core/admission.py): not started, not in the scheduler yet.
     is_held: bool = False
     session_id: str | None = None
-    # What the session waits on after this turn (core.session.ParkHint), read when the turn ends.
+    # What the session waits on after this turn (ParkHint above), read when the turn ends.
     park_hint: ParkHint | None = None
     # Priority class rank (0 interactive, 1 batch) and the program (session) whose service it adds to.
     priority: int = 0

@@ -1,4 +1,4 @@
-"""ToolFormat: read off a chat template's text; carried by a tool-calls GuidedDecoding (core/guided.py)."""
+"""ToolFormat: read off a chat template's text; carried by a tool-calls GuidedDecoding (types/guided.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sessionserve.core.guided import GuidedDecoding, ToolFormat, tool_format_of
+from sessionserve.types.guided import GuidedDecoding, ToolFormat, tool_format_of
 
 LLAMA31_LIKE = ("{{- bos_token }}<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
                 "{%- if builtin_tools is defined %}{{- '<|python_tag|>' + tool_call.name }}{%- endif %}")

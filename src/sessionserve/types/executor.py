@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-    from sessionserve.core.scheduler import SchedulerOutput
+    from sessionserve.types.scheduler_output import SchedulerOutput
 
 
 class ExecutorOutput(NamedTuple):
