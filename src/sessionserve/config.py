@@ -230,8 +230,9 @@ class ServerConfig:
 
     # Requests in flight (queued or running) per engine; past it a new request gets 429 with Retry-After.
     max_queued_requests: int = 1024
-    # Largest request body in bytes (413 past it): 8 MiB holds a long agent conversation with its tools.
-    max_request_bytes: int = 8 * MiB
+    # Largest request body in bytes (413 past it): 4 MiB holds a long agent conversation with its tools (about
+    # a million tokens of text), and decoding one (a GIL hold of ~0.3 s at worst) stays short for everyone else.
+    max_request_bytes: int = 4 * MiB
     # Sessions a tenant may open by id (sessions found by content do not count; 429 past it).
     max_sessions_per_tenant: int = 1000
     # Generation requests one tenant may have in flight at once (429 past it).

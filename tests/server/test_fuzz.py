@@ -8,22 +8,31 @@ no request is left in the engine and the KV pool is consistent.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.reliability.adversarial import ODD_SESSION_IDS, long_text
 from tests.server.conftest import LiveServer
 
 AUTH = {"Authorization": "Bearer key-alice"}
 OK_STATUSES = {200, 400, 401, 404, 409, 413, 429}
 
-scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+# Past int64 either way (seeds, caps and token ids that overflow a C long), without the valid caps in between
+# (a valid cap of thousands of tokens would only make the run slow).
+past_int64 = st.integers(2**63, 2**70) | st.integers(-(2**70), -(2**63) - 1)
+token_id = st.integers(-(2**70), 2**70) | st.integers(16_000, 17_000) | past_int64  # the vocabulary is 16,384
+scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | past_int64
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40))
+# Nesting hundreds deep (json.dumps goes to about 900 in a hypothesis test; adversarial.py goes past that).
+deep = st.integers(1, 400).map(lambda d: functools.reduce(lambda acc, _: [acc], range(d), 0))
 any_json = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-                        max_leaves=8)
-text = st.text(max_size=300) | st.sampled_from(["", "\x00", "\ud7ff\ue000", "<tool_call>{", "😀" * 50, "a" * 5000])
+                        max_leaves=8) | deep
+text = (st.text(max_size=300) | st.sampled_from(["", "\x00", "\ud7ff\ue000", "<tool_call>{", "😀" * 50, "a" * 5000])
+        | long_text(4096, 65_536) | st.sampled_from(ODD_SESSION_IDS))
 
 schema = st.fixed_dictionaries({"type": st.sampled_from(["object", "string", "integer", "bogus"]) | any_json},
                                optional={"properties": st.dictionaries(st.text(max_size=6), any_json, max_size=3),
@@ -40,17 +49,20 @@ message = st.fixed_dictionaries(
 chat_body = st.fixed_dictionaries(
     {"model": st.sampled_from(["tiny", "nope"]) | any_json,
      "messages": st.lists(message, max_size=4) | any_json,
-     "max_tokens": st.integers(0, 3) | st.sampled_from([-1, 10**9, 2**63]) | any_json},
+     "max_tokens": st.integers(0, 3) | st.sampled_from([-1, 10**9, 2**63]) | past_int64 | any_json},
     optional={"temperature": st.floats(allow_nan=True, allow_infinity=True) | any_json,
-              "top_p": st.floats(-1, 2) | any_json, "n": st.integers(-1, 3), "seed": st.integers(-(2**70), 2**70),
+              "top_p": st.floats(allow_nan=True, allow_infinity=True) | any_json,
+              "n": st.integers(-1, 3) | past_int64, "seed": st.integers(-(2**70), 2**70) | past_int64,
+              "top_k": past_int64 | any_json, "min_tokens": past_int64 | any_json,
+              "stop_token_ids": st.lists(token_id, max_size=4) | any_json,
               "stop": st.lists(text, max_size=5) | text | any_json, "stream": st.booleans() | any_json,
               "tools": st.lists(tool, max_size=3) | any_json,
               "tool_choice": st.sampled_from(["auto", "none", "required"]) | any_json,
               "response_format": st.fixed_dictionaries({"type": st.sampled_from(["json_object", "json_schema",
                                                                                  "text", "xml"])},
                                                        optional={"json_schema": any_json}) | any_json,
-              "logprobs": st.booleans() | any_json, "top_logprobs": st.integers(-2, 50),
-              "logit_bias": st.dictionaries(st.text(max_size=6), any_json, max_size=3) | any_json,
+              "logprobs": st.booleans() | any_json, "top_logprobs": st.integers(-2, 50) | past_int64,
+              "logit_bias": st.dictionaries(st.text(max_size=6) | token_id.map(str), any_json, max_size=3) | any_json,
               "priority": st.sampled_from(["interactive", "batch", "urgent"]) | any_json,
               "session_id": text | any_json, "expected_wait_s": any_json, "frobnicate": any_json})
 # Valid requests with edge values (these get past validation and run), and valid ones with one field broken.
@@ -82,16 +94,17 @@ def broken_one_field(draw: st.DrawFn) -> dict:
     if draw(st.booleans()) and key in body:
         del body[key]
     else:
-        body[key] = draw(any_json)
+        body[key] = draw(any_json | past_int64 | token_id.map(lambda t: {str(t): 5}) | st.lists(token_id, max_size=3))
     return body
 
 
 completion_body = st.fixed_dictionaries(
     {"model": st.just("tiny") | any_json,
-     "prompt": text | st.lists(st.integers(-5, 70000), max_size=20) | any_json,
+     "prompt": text | st.lists(st.integers(-5, 70000) | token_id, max_size=20) | any_json,
      "max_tokens": st.integers(0, 3) | any_json},
     optional={"echo": any_json, "stream": st.booleans(), "temperature": any_json, "logprobs": any_json,
-              "suffix": any_json, "best_of": any_json})
+              "suffix": any_json, "best_of": any_json, "seed": past_int64 | any_json,
+              "logit_bias": st.dictionaries(token_id.map(str), st.floats(-100, 100), max_size=3) | any_json})
 
 
 def _check(r: httpx.Response) -> None:
@@ -135,9 +148,14 @@ def test_completions_never_5xx(server: LiveServer, body: dict) -> None:
     _check(_post(server, "/v1/completions", body))
 
 
+# Bodies past what JSON parsers take by default: nesting 100,000 deep, a 5,000-digit number, NaN, a MiB of NULs.
+unbounded_raw = st.sampled_from([b"[" * 100_000, b'{"a":' * 5_000, b'{"model": 1' + b"0" * 5000 + b"}",
+                                 b"\x00" * (1 << 20), b'{"seed": NaN}', b"\xff" * 300])
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(raw=st.binary(max_size=300), path=st.sampled_from(["/v1/chat/completions", "/v1/completions",
-                                                          "/v1/sessions", "/v1/sessions/x/fork"]))
+@given(raw=st.binary(max_size=300) | unbounded_raw,
+       path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/sessions", "/v1/sessions/x/fork"]))
 def test_raw_bytes_never_5xx(server: LiveServer, raw: bytes, path: str) -> None:
     r = httpx.post(server.url + path, content=raw, headers={**AUTH, "Content-Type": "application/json"}, timeout=30)
     assert r.status_code in OK_STATUSES, r.text[:200]

@@ -1,23 +1,29 @@
-"""Compile grammars in a child process, so that one that takes too long can be stopped.
+"""Compile grammars in child processes, so that one that takes too long can be stopped.
 
 A JSON schema of a few kilobytes can take xgrammar minutes to compile (thousands
 of properties, a deep nesting, a huge enum), and neither a thread nor xgrammar
-can be interrupted. The child compiles one grammar at a time and sends it back
+can be interrupted. Each child compiles one grammar at a time and sends it back
 serialized; past `timeout_s` it is killed (and started again for the next one),
-and the request that asked gets a clear error. A crash inside the compiler ends
-the child, not the server.
+and the request that asked gets a clear error. Two children by default, so one
+slow schema does not hold up everyone else's; a crash inside the compiler ends
+a child, not the server.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import contextlib
+import json
+import queue
+import socket
+import subprocess
+import sys
 import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from sessionserve.types.guided import GuidedDecoding
 
-# Starting the child (imports, the tokenizer's grammar view) is not the request's time.
+# Starting a child (imports, the tokenizer's grammar view) is not the request's time.
 _START_TIMEOUT_S = 120.0
 
 
@@ -26,69 +32,110 @@ class GrammarTimeout(ValueError):
 
 
 class GrammarWorker:
-    """One child process that compiles grammars for one model folder; thread-safe (one compile at a time)."""
+    """Child processes that compile grammars for one model folder; thread-safe."""
 
-    def __init__(self, model_dir: str | Path, stop_token_ids: tuple[int, ...] | None, timeout_s: float) -> None:
-        self.model_dir = str(model_dir)
-        self.stop_token_ids = stop_token_ids
+    def __init__(self, model_dir: str | Path, stop_token_ids: tuple[int, ...] | None, timeout_s: float,
+                 num_children: int = 2) -> None:
         self.timeout_s = timeout_s
         self.num_timeouts = 0
-        self._lock = threading.Lock()
-        self._process: multiprocessing.process.BaseProcess | None = None
-        self._conn: Connection | None = None
+        self._children: list[_Child] = [_Child(str(model_dir), stop_token_ids) for _ in range(num_children)]
+        self._free: queue.SimpleQueue[_Child] = queue.SimpleQueue()
+        for child in self._children:
+            self._release(child)  # started in the background: a compile waits only for the first to be ready
 
     def compile(self, guided: GuidedDecoding) -> str:
         """The compiled grammar, serialized (xgrammar's JSON). Raises ValueError for a bad spec, GrammarTimeout
         when it takes longer than `timeout_s`."""
-        with self._lock:
-            conn = self._ensure_started()
-            conn.send(guided)
-            if not conn.poll(self.timeout_s):
-                self.num_timeouts += 1
-                self._stop()
-                raise GrammarTimeout(f"the {guided.kind} constraint took longer than {self.timeout_s:g} s to "
-                                     f"compile; simplify it (fewer properties, enum values or nesting levels)")
-            try:
-                ok, payload = conn.recv()
-            except (EOFError, OSError):
-                self._stop()
-                raise ValueError(f"cannot compile {guided.kind} constraint: the compiler failed") from None
+        child = self._free.get()
+        try:
+            return child.compile(guided, self.timeout_s)
+        except GrammarTimeout:
+            self.num_timeouts += 1
+            raise
+        finally:
+            self._release(child)
+
+    def close(self) -> None:
+        for child in self._children:
+            child.stop()
+
+    def _release(self, child: _Child) -> None:
+        """Make `child` free again; one that was stopped (it took too long) starts anew first, in the background,
+        so the next request does not wait for a process to start."""
+        if child.is_running:
+            self._free.put(child)
+            return
+
+        def start() -> None:
+            with contextlib.suppress(Exception):  # a child that cannot start fails its next compile instead
+                child.start()
+            self._free.put(child)
+
+        threading.Thread(target=start, name="grammar-start", daemon=True).start()
+
+
+class _Child:
+    """One compiler process, started on first use; used by one thread at a time."""
+
+    def __init__(self, model_dir: str, stop_token_ids: tuple[int, ...] | None) -> None:
+        self.model_dir = model_dir
+        self.stop_token_ids = stop_token_ids
+        self._process: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None and self._conn is not None
+
+    def compile(self, guided: GuidedDecoding, timeout_s: float) -> str:
+        conn = self.start()
+        conn.send(guided)
+        if not conn.poll(timeout_s):
+            self.stop()
+            raise GrammarTimeout(f"the {guided.kind} constraint took longer than {timeout_s:g} s to compile; "
+                                 f"simplify it (fewer properties, enum values or nesting levels)")
+        try:
+            ok, payload = conn.recv()
+        except (EOFError, OSError):
+            self.stop()
+            raise ValueError(f"cannot compile {guided.kind} constraint: the compiler failed") from None
         if not ok:
             raise ValueError(payload)
         return payload
 
-    def close(self) -> None:
-        with self._lock:
-            self._stop()
-
-    def _ensure_started(self) -> Connection:
-        if self._process is not None and self._process.is_alive() and self._conn is not None:
+    def start(self) -> Connection:
+        """The connection to a running child, started if it is not."""
+        if self.is_running:
+            assert self._conn is not None
             return self._conn
-        self._stop()
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs torch threads
-        parent, child = ctx.Pipe()
-        process = ctx.Process(target=_serve, args=(child, self.model_dir, self.stop_token_ids),
-                              name="sessionserve-grammar", daemon=True)
-        process.start()
-        child.close()
-        if not parent.poll(_START_TIMEOUT_S):
+        self.stop()
+        # A fresh interpreter (`python -m`), not multiprocessing: no fork of a process that runs torch threads,
+        # and no re-import of the parent's __main__ (a script that starts a server needs no main guard).
+        ours, theirs = socket.socketpair()
+        args = json.dumps([self.model_dir, list(self.stop_token_ids) if self.stop_token_ids else None])
+        process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno()), args],
+                                   pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        theirs.close()
+        conn = Connection(ours.detach())
+        if not conn.poll(_START_TIMEOUT_S):
             process.kill()
+            conn.close()
             raise RuntimeError("the grammar compiler process did not start")
-        parent.recv()  # "ready"
-        self._process, self._conn = process, parent
-        return parent
+        conn.recv()  # "ready"
+        self._process, self._conn = process, conn
+        return conn
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
         if self._process is not None:
             self._process.kill()
-            self._process.join(5)
+            self._process.wait(5)
         if self._conn is not None:
             self._conn.close()
         self._process, self._conn = None, None
 
 
 def _serve(conn: Connection, model_dir: str, stop_token_ids: tuple[int, ...] | None) -> None:
-    """The child: compile what the parent sends until the pipe closes."""
+    """The child: compile what the parent sends until the connection closes."""
     from sessionserve.model.structured import GrammarCompiler
 
     compiler = GrammarCompiler(model_dir, stop_token_ids)
@@ -102,5 +149,9 @@ def _serve(conn: Connection, model_dir: str, stop_token_ids: tuple[int, ...] | N
             conn.send((True, compiler.compile(guided).serialize_json()))
         except ValueError as exc:
             conn.send((False, str(exc)))
-        except RecursionError:
-            conn.send((False, f"cannot compile {guided.kind} constraint: it is nested too deeply"))
+
+
+if __name__ == "__main__":
+    model_dir, stop_ids = json.loads(sys.argv[2])
+    with contextlib.suppress(OSError, EOFError):  # the server went away (or stopped this child): just end
+        _serve(Connection(int(sys.argv[1])), model_dir, tuple(stop_ids) if stop_ids else None)

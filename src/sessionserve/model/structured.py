@@ -86,6 +86,7 @@ class GrammarCompiler:
         self.stop_token_ids = tuple(self.tokenizer_info.stop_token_ids)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._failed: OrderedDict[tuple[str, str], str] = OrderedDict()  # spec -> why it did not compile
         self._lock = threading.Lock()
         self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         self.marker_token_ids = tuple(i for i in map(self._single_token, _GUARDED_MARKERS) if i is not None)
@@ -99,8 +100,18 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
+            failed = self._failed.get(key)
+        if failed is not None:  # a spec that failed (or took too long) once fails at once again
+            raise ValueError(failed)
         if self._worker is not None:
-            compiled = xgr.CompiledGrammar.deserialize_json(self._worker.compile(guided), self.tokenizer_info)
+            try:
+                compiled = xgr.CompiledGrammar.deserialize_json(self._worker.compile(guided), self.tokenizer_info)
+            except ValueError as exc:
+                with self._lock:
+                    self._failed[key] = str(exc)
+                    if len(self._failed) > _CACHE_MAX_ENTRIES:
+                        self._failed.popitem(last=False)
+                raise
         else:
             try:
                 compiled = self._compile(guided)

@@ -14,10 +14,11 @@ so tenants never share, collide on, or learn of each other's request ids.
 
 from __future__ import annotations
 
-import hashlib
 import asyncio
+import hashlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -309,33 +311,28 @@ async def read_json(request: Request) -> dict[str, Any]:
 
 
 def _decode_json(raw: bytes, max_depth: int) -> tuple[Any, int]:
-    """The decoded body and how deep it nests (past `max_depth`: max_depth + 1); a 400 when it is not JSON."""
+    """The decoded body and how deep it nests (a 400 when it is not JSON)."""
     try:
         body = json.loads(raw) if raw else None
     except RecursionError:  # nested past Python's own limit (about 1,000 levels)
-        return None, max_depth + 1
+        return None, max(max_depth, 1000) + 1
     except ValueError as exc:  # not JSON, not UTF-8, or a number too long to convert (over 4,300 digits)
         raise OpenAIError(400, f"Request body is not valid JSON: {exc}", "invalid_request_error",
                           code="invalid_json") from None
-    return body, json_depth(body, max_depth)
+    return body, json_text_depth(raw)
 
 
-def json_depth(value: Any, limit: int) -> int:
-    """How deep `value` nests lists and objects (a scalar: 0, `{}`: 1), counted no further than `limit` + 1.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_OPEN_CLOSE = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as int8
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 
-    Iterative: a value nested deeper than Python's recursion limit is measured too."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        if deepest > limit:
-            break
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
+
+def json_text_depth(raw: bytes) -> int:
+    """How deep a valid JSON text nests arrays and objects (`1`: 0, `{}`: 1): its brackets outside strings,
+    summed in C (milliseconds for 4 MiB, where walking the decoded value took half a second). Valid JSON
+    only: there every string ends, so one left-to-right pass finds them all."""
+    steps = np.frombuffer(_JSON_STRING.sub(b"", raw).translate(_OPEN_CLOSE, _NOT_BRACKETS), dtype=np.int8)
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
 
 
 def tenant_tag(tenant: str) -> str:

@@ -52,7 +52,7 @@ def _check_content(value: Any) -> str | list[dict[str, str]] | None:
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             continue  # an assistant's earlier refusal: nothing for the model to read
-        elif kind in _UNSUPPORTED_PARTS:
+        elif isinstance(kind, str) and kind in _UNSUPPORTED_PARTS:
             raise ValueError(f"part {i}: content parts of type '{kind}' are not supported by this server")
         else:
             raise ValueError(f"part {i}: expected an object with type 'text', got {part!r:.80}")

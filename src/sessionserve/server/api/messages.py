@@ -102,6 +102,8 @@ def _block_text(block: Any, where: str) -> str | None:
     if not isinstance(block, dict):
         raise P.bad_request("A content block must be an object.", where)
     kind = block.get("type")
+    if not isinstance(kind, str):
+        raise P.bad_request("A content block's 'type' must be a string.", f"{where}.type")
     if kind == "text":
         if not isinstance(block.get("text"), str):
             raise P.bad_request("A text block needs a string 'text'.", f"{where}.text")

@@ -111,6 +111,8 @@ def _part_text(part: Any, where: str) -> str | None:
     if not isinstance(part, dict):
         raise P.bad_request(f"Invalid content part: expected an object with a 'type'.", where)
     kind = part.get("type")
+    if not isinstance(kind, str):
+        raise P.bad_request("A content part's 'type' must be a string.", f"{where}.type")
     if kind in _TEXT_PARTS:
         if not isinstance(part.get("text"), str):
             raise P.bad_request(f"A '{kind}' part needs a string 'text'.", f"{where}.text")
@@ -144,6 +146,8 @@ def input_messages(items: str | list[Any] | None) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise P.bad_request("Each input item must be an object.", where)
         kind = item.get("type", "message" if "role" in item else None)
+        if kind is not None and not isinstance(kind, str):
+            raise P.bad_request("An input item's 'type' must be a string.", f"{where}.type")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -194,9 +198,9 @@ def function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     for i, tool in enumerate(tools or ()):
         kind = tool.get("type")
         if kind != "function":
-            if kind in FOREIGN_TOOL_TYPES or isinstance(kind, str):
+            if isinstance(kind, str):  # a tool this server does not run (FOREIGN_TOOL_TYPES, or newer)
                 continue
-            raise P.bad_request("Each tool needs a 'type'.", f"tools.{i}.type")
+            raise P.bad_request("Each tool needs a 'type' (a string).", f"tools.{i}.type")
         name = tool.get("name")
         if not P.valid_tool_name(name):
             raise P.bad_request("A function tool needs a 'name' of 1 to 64 characters from a-z, A-Z, 0-9, '_' "
@@ -230,7 +234,7 @@ def tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[Any, list[dict
         if mode not in ("auto", "required", "none"):
             raise P.bad_request("allowed_tools mode must be 'auto', 'required' or 'none'.", "tool_choice.mode")
         return mode, [t for t in tools if t["function"]["name"] in allowed]
-    if isinstance(value, dict) and value.get("type") in FOREIGN_TOOL_TYPES:
+    if isinstance(value, dict) and isinstance(value.get("type"), str) and value["type"] in FOREIGN_TOOL_TYPES:
         return "auto", tools  # a tool this server does not run: the model answers or calls a function
     raise P.bad_request("tool_choice must be 'none', 'auto', 'required', {\"type\": \"function\", \"name\": ...} or "
                         "{\"type\": \"allowed_tools\", ...}.", "tool_choice")

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 # How long a turn waits for its session's KV to finish moving between tiers before a 409.
 MOVE_WAIT_S = 10.0
 # How long a request's grammar (response format, forced tool calls) may take to compile before a 400.
-GRAMMAR_TIMEOUT_S = 10.0
+GRAMMAR_TIMEOUT_S = 5.0
 
 
 def check_in_flight(state: ServerState, tenant: str) -> None:

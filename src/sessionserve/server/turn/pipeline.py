@@ -210,8 +210,11 @@ class TurnPipeline:
     async def _raw_prompt(self, turn: TurnRequest, slot: ModelSlot) -> list[int]:
         eng = slot.engine
         if isinstance(turn.prompt, str):
-            prompt = await asyncio.get_running_loop().run_in_executor(self.state.tokenize_pool, eng.tokenizer.encode,
-                                                                      turn.prompt)
+            try:
+                prompt = await asyncio.get_running_loop().run_in_executor(self.state.tokenize_pool,
+                                                                          eng.tokenizer.encode, turn.prompt)
+            except (TypeError, ValueError) as exc:  # e.g. a lone surrogate: not text the tokenizer takes
+                raise P.bad_request(f"The prompt is not valid text: {exc}", "prompt") from None
         else:
             prompt = list(turn.prompt or ())
             if any(t < 0 or t >= eng.runner.arch.vocab_size for t in prompt):
