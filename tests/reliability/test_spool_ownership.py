@@ -27,6 +27,7 @@ from sessionserve.cache.kv_layout import KVLayout
 from sessionserve.config import Config
 from sessionserve.core.residency import ActionKind, ResidencyAction
 from sessionserve.core.session import Residency
+from sessionserve.obs.metrics import Metrics
 from sessionserve.types.kv_mover import Tier
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -105,6 +106,10 @@ def test_dead_process_files_are_removed_and_counted(tiny_llama: Path, tmp_path: 
         assert disk.num_removed_orphan_files == 4
         assert disk.num_removed_orphan_bytes == sum(dead.values())
         assert not list(spool.iterdir())
+        metrics = Metrics("tiny")
+        metrics.sample_gauges(engine)
+        text = metrics.render().decode()
+        assert 'sessionserve_spool_orphans_removed{model="tiny",unit="files"} 4.0' in text, text
         park_on_disk(engine, seed=99)
         after = spool_files(spool)
         assert len(after) == 1 and not set(after) & set(dead), after

@@ -75,6 +75,8 @@ class Metrics:
                              "they had started computing", labels + ["stage"], registry=r)
         self.aborted_prefill = Gauge("sessionserve_aborted_prefill_tokens", "Prompt tokens computed for requests "
                                      "that were then aborted (not served from the cache)", labels, registry=r)
+        self.spool_orphans = Gauge("sessionserve_spool_orphans_removed", "Spool files a process that died left "
+                                   "behind, removed at start (files, bytes)", labels + ["unit"], registry=r)
         self.failed_steps = Gauge("sessionserve_failed_steps", "Engine steps that raised; each request then ran "
                                   "alone and only the ones that raised failed", labels, registry=r)
         self.admission = Gauge("sessionserve_admission", "Session admission by working set: turns waiting at the "
@@ -130,6 +132,10 @@ class Metrics:
         self.aborted.labels(m, "running").set(core.num_aborted - core.num_aborted_before_start)
         self.aborted_prefill.labels(m).set(core.num_aborted_prefill_tokens)
         self.failed_steps.labels(m).set(core.num_failed_steps)
+        disk = eng.mover.disk if eng.mover is not None else None
+        if disk is not None:
+            self.spool_orphans.labels(m, "files").set(disk.num_removed_orphan_files)
+            self.spool_orphans.labels(m, "bytes").set(disk.num_removed_orphan_bytes)
         door = core.door
         if door is not None:
             self.admission.labels(m, "waiting").set(len(door.held))
