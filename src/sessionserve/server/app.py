@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from sessionserve.config import ServerConfig
 from sessionserve.core.session_manager import SessionBusyError
@@ -284,12 +285,15 @@ async def read_body(request: Request) -> bytes:
         return request._body
     limit = request.app.state.ss.config.max_request_bytes
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise OpenAIError(413, f"Request body over {limit} bytes.", "invalid_request_error",
-                              code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise OpenAIError(413, f"Request body over {limit} bytes.", "invalid_request_error",
+                                  code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # hung up half-way through its body: nobody to answer, nothing to log
+        raise OpenAIError(499, "Client closed the request.", "invalid_request_error") from None
     request._body = b"".join(chunks)
     return request._body
 
