@@ -3,7 +3,9 @@ the engine is back to rest (no request running, every KV block free in every tie
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -103,3 +105,13 @@ def assert_all_free(server: LiveServer, spool_dir: Path | None = None) -> None:
     assert state.get("disk_bytes", 0) == 0 and state.get("disk_files", 0) == 0, state
     if spool_dir is not None and spool_dir.is_dir():
         assert not list(spool_dir.iterdir()), list(spool_dir.iterdir())
+
+
+def bench_module(name: str):  # noqa: ANN201 - a module
+    """bench/<name>.py loaded as a module (bench/ is scripts, not a package)."""
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    return module

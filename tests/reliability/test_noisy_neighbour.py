@@ -18,8 +18,6 @@ SSE error.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,10 +27,16 @@ import pytest
 
 from sessionserve.config import ServerConfig
 from tests.reliability import adversarial
-from tests.reliability.conftest import assert_all_free, close_all_sessions, is_idle, live_server, wait_idle
+from tests.reliability.conftest import (
+    assert_all_free,
+    bench_module,
+    close_all_sessions,
+    is_idle,
+    live_server,
+    wait_idle,
+)
 from tests.server.conftest import LiveServer
 
-ROOT = Path(__file__).resolve().parents[2]
 NUM_FUZZ = 300
 # Alice's p99 gap while Bob sends the corpus: at most this many times her quiet p99, or the floor (whichever
 # is larger: her quiet p99 is 10-25 ms here, and two shared cores add tens of ms once a second process runs).
@@ -46,15 +50,7 @@ HEALTH_AFTER_BOUND_S = 0.5
 QUEUE_LIMIT = 4
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_noisy_neighbour", ROOT / "bench" / "noisy_neighbour.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
-
-
-nn = _bench_module()
+nn = bench_module("noisy_neighbour")
 
 
 def _target(server: LiveServer, **fields: Any) -> adversarial.Target:

@@ -15,18 +15,15 @@ test in test_rewrite_then_abort.py.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
-import sys
 import threading
 import tracemalloc
 from pathlib import Path
 
 import httpx
 
-from tests.reliability.conftest import assert_all_free, live_server, wait_idle
+from tests.reliability.conftest import assert_all_free, bench_module, live_server, wait_idle
 
-ROOT = Path(__file__).resolve().parents[2]
 DURATION_S = 40.0
 NUM_AGENTS = 6
 P99_BOUND_S = 5.0
@@ -34,16 +31,8 @@ RSS_GROWTH_BOUND_BYTES = 512 << 20
 HEAP_GROWTH_BOUND_BYTES = 4 << 20
 
 
-def _soak_module():
-    spec = importlib.util.spec_from_file_location("bench_soak", ROOT / "bench" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_soak_accounts_for_every_turn_and_leaves_nothing_behind(tiny_llama: Path, tmp_path: Path) -> None:
-    soak = _soak_module()
+    soak = bench_module("soak")
     with live_server(tiny_llama, tmp_path / "spool", num_blocks=160, residency_policy="predictive",
                      host_kv_bytes=0, disk_kv_bytes=0) as server:
         soak.run_soak(server.url, 3.0, NUM_AGENTS, seed=1, api_key="key-alice")  # warm-up: allocator pools, prefix cache
