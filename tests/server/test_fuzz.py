@@ -15,7 +15,8 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.reliability.adversarial import ODD_SESSION_IDS, long_text
+from tests.reliability.adversarial import ODD_SESSION_IDS
+from tests.reliability.fuzz_bodies import long_text
 from tests.server.conftest import LiveServer
 
 AUTH = {"Authorization": "Bearer key-alice"}
