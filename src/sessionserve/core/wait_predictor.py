@@ -61,6 +61,10 @@ class WaitPredictor:
         self._memo: dict[tuple[tuple[str, ...], float | None], tuple[WaitPrediction, bool]] = {}
         self.num_observed = 0  # predictions can change only when this does
 
+    def clear_memo(self) -> None:
+        """Forget the memoized predictions (bounded at 4,096; they are worked out again when asked)."""
+        self._memo.clear()
+
     def observe(self, tools: tuple[str, ...], wait_s: float) -> None:
         """Record that a park after calling `tools` lasted `wait_s`."""
         wait_s = max(0.0, float(wait_s))
