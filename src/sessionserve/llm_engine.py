@@ -144,11 +144,7 @@ class LLMEngine:
             text, ids = None, list(prompt)
             if any((not isinstance(t, int)) or t < 0 or t >= self.runner.arch.vocab_size for t in ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {self.runner.arch.vocab_size})")
-        vocab = self.runner.arch.vocab_size
-        if any(not 0 <= t < vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        params.check_vocab(self.runner.arch.vocab_size)
         rid = request_id or self.new_request_id()
         if params.guided is not None:
             # Compile now (cached by spec): a bad schema is this request's 400, never a failed engine step.

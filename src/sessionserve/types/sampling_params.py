@@ -73,6 +73,12 @@ class SamplingParams:
         _check(0.0 < self.repetition_penalty < math.inf, "repetition_penalty", "must be > 0")
         _check(self.guided is None or isinstance(self.guided, GuidedDecoding), "guided", "must be a GuidedDecoding")
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError (naming the field) if a token id this request names is outside the model's vocabulary."""
+        for name in ("logit_bias", "stop_token_ids"):
+            _check(all(0 <= t < vocab_size for t in getattr(self, name)), name,
+                   f"token ids must be in [0, {vocab_size}), this model's vocabulary")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0

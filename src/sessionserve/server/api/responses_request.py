@@ -19,6 +19,7 @@ from pydantic import Field, field_validator
 
 from sessionserve.server import protocol as P
 from sessionserve.server.api.common import request_priority
+from sessionserve.server.protocol_common import check_stop
 from sessionserve.server.turn.identity import session_hint
 from sessionserve.server.turn.types import TurnRequest
 from sessionserve.types.guided import GuidedDecoding
@@ -79,8 +80,6 @@ class ResponsesRequest(P.RequestModel):
     @field_validator("stop", mode="before")
     @classmethod
     def validate_stop(cls, value: Any) -> Any:
-        from sessionserve.server.protocol_common import check_stop
-
         return check_stop(value)
 
     @field_validator("metadata")

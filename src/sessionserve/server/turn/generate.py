@@ -86,15 +86,13 @@ def make_params(sampling: dict, max_tokens: int | None, num_prompt: int, eng: LL
         raise P.OpenAIError(400, f"max_tokens is {max_tokens}, but the prompt has {num_prompt} tokens and the "
                                  f"context is {eng.max_model_len}.", "invalid_request_error", param="max_tokens",
                             code="context_length_exceeded")
-    vocab = eng.runner.arch.vocab_size
-    for name in ("logit_bias", "stop_token_ids"):
-        if any(not 0 <= t < vocab for t in sampling.get(name) or ()):
-            raise P.bad_request(f"{name} has token ids outside this model's vocabulary [0, {vocab}).", name)
     min_tokens = sampling.get("min_tokens", 0)
     if min_tokens > max_tokens:
         raise P.bad_request(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens")
     try:
-        return SamplingParams(**sampling, max_tokens=max_tokens, **extra)
+        params = SamplingParams(**sampling, max_tokens=max_tokens, **extra)
+        params.check_vocab(eng.runner.arch.vocab_size)
+        return params
     except ValueError as exc:
         raise P.OpenAIError(400, str(exc), "invalid_request_error") from None
 
