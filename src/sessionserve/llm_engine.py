@@ -333,7 +333,9 @@ class LLMEngine:
         reason = seq.status.value if finished else None
         return RequestOutput(
             request_id=seq.request_id, prompt=tracked.prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[CompletionOutput(0, text, seq.output_token_ids, reason, seq.stop_reason, seq.logprobs)],
+            outputs=[CompletionOutput(0, text, seq.output_token_ids, reason, seq.stop_reason,
+                                     # a copy: the server reads a streamed output after later steps appended
+                                     None if seq.logprobs is None else list(seq.logprobs))],
             finished=finished, num_cached_tokens=seq.num_cached_tokens or 0, delta_text=delta,
             delta_token_ids=list(new_ids), arrival_s=seq.arrival_s, scheduled_s=seq.first_scheduled_s,
             first_token_s=seq.first_token_s, restore_wait_s=seq.restore_wait_s,

@@ -155,6 +155,20 @@ def test_logprobs_are_the_model_distribution(llm: LLM, tiny_llama: Path) -> None
         assert abs(lp - ref[tok].item()) < 1e-4
 
 
+def test_each_output_keeps_the_logprobs_of_its_own_tokens(llm: LLM) -> None:
+    """A streamed output is read after later steps ran: its rows must not grow with the sequence."""
+    engine = llm.engine
+    engine.add_request(prompts(1, 9)[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert len(outputs) == 5
+    for out in outputs:
+        rows = out.outputs[0].logprobs
+        assert rows is not None and len(rows) == len(out.token_ids)
+        assert all(tok in row for tok, row in zip(out.token_ids, rows))
+
+
 def test_min_tokens_and_eos(llm: LLM) -> None:
     eos = llm.engine.core.eos_token_ids[0]
     # logit_bias makes EOS the greedy choice; min_tokens holds it back.
