@@ -6,13 +6,14 @@ model; the same replay (`sessionserve bench --backend http`: streamed
 agents, the trace's waits between steps) is driven against each, and one
 report compares them (ratios to vLLM).
 
-The device KV budget is the same for every server (`--kv-cache-bytes` for
-ours, `--kv-cache-memory-bytes` for vLLM). sessionserve also has its host tier
-(`--host-kv-bytes`; on a GPU that is host RAM, here it is the same RAM), which
-is what its residency policies move parked sessions to; the `ours-device-only`
-series runs with no host tier at all to show what the engine alone does.
+Every server gets the same total KV bytes over all its tiers (on a CPU host and
+device are the same RAM): `--kv-cache-bytes` for vLLM (`--kv-cache-memory-bytes`)
+and for `ours` (all of it device KV); `ours-host` splits the same total into
+device KV and a host tier of `--host-kv-bytes`, which its residency policy moves
+parked sessions to. Each server's CPU time (its whole process group, from
+/proc) over each load gives the cores it kept busy.
 
-    .venv/bin/python bench/http_peers.py                      # ours (predictive), ours device-only, vLLM
+    .venv/bin/python bench/http_peers.py                      # ours (predictive), ours with a host tier, vLLM
     .venv/bin/python bench/http_peers.py --servers ours,vllm --loads 16
     # the comparison in bench/RESULTS.md: vLLM's dtype, 8+ sessions per agent so the drain is a small share
     .venv/bin/python bench/http_peers.py --servers ours,vllm --num-sessions 400 --loads 16,48 \
@@ -44,14 +45,15 @@ from sessionserve.workload.http_backend import HttpBackend  # noqa: E402
 from sessionserve.workload.loader import load_trace  # noqa: E402
 from sessionserve.workload.report import write_report  # noqa: E402
 from sessionserve.workload.results import build_results  # noqa: E402
-from sessionserve.workload.server_process import server_process  # noqa: E402
+from sessionserve.workload.server_process import RunningServer, server_process  # noqa: E402
 from sessionserve.workload.sweep import run_http  # noqa: E402
 
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "sessionserve" / "peers" / "vllm-venv"
-# name -> (sessionserve flags, the client sends session ids). "vllm" is the peer.
+# name -> (sessionserve flags, the client sends session ids). "vllm" is the peer. The total KV and the
+# host tier's share of it are set in server_command.
 OURS: dict[str, tuple[list[str], bool]] = {
     "ours": ([], True),
-    "ours-device-only": (["--host-kv-bytes", "0"], True),
+    "ours-host": ([], True),
     # An unmodified client: no session ids; the server finds each conversation from its token ids.
     "ours-no-ids": (["--implicit-sessions", "all"], False),
     # A stateless server: a session's KV is dropped when its turn ends (the prefix cache may still hit).
@@ -66,9 +68,10 @@ def server_command(name: str, a: argparse.Namespace) -> tuple[list[str], dict[st
     common = ["--model", str(a.model), "--port", str(a.port), "--max-num-seqs", str(a.max_num_seqs),
               "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--dtype", a.dtype]
     if name in OURS:
+        host = a.host_kv_bytes if name == "ours-host" else 0
         # Later flags win: a variant's flags override the shared ones.
         return ([sys.executable, "-m", "sessionserve.cli", "serve", *common, "--kv-cache-bytes",
-                 str(a.kv_cache_bytes), "--host-kv-bytes", str(a.host_kv_bytes), "--residency-policy", a.policy,
+                 str(a.kv_cache_bytes - host), "--host-kv-bytes", str(host), "--residency-policy", a.policy,
                  "--threads", str(a.threads), *OURS[name][0]], env)
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{a.threads - 1}"
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
@@ -78,12 +81,12 @@ def server_command(name: str, a: argparse.Namespace) -> tuple[list[str], dict[st
 
 
 @contextlib.contextmanager
-def running(name: str, a: argparse.Namespace, log_dir: Path) -> Iterator[float]:
-    """Start server `name`, wait for /health, yield its start-up seconds; stop it afterwards."""
+def running(name: str, a: argparse.Namespace, log_dir: Path) -> Iterator[RunningServer]:
+    """Start server `name`, wait for /health, yield it; stop it afterwards."""
     cmd, env = server_command(name, a)
     with server_process(cmd, a.port, log_dir / f"{name}.log", env=env, start_timeout_s=a.start_timeout,
-                        name=name) as startup_s:
-        yield startup_s
+                        name=name) as server:
+        yield server
 
 
 def warm_up(a: argparse.Namespace) -> None:
@@ -132,7 +135,7 @@ def subagent_summary(result: Any) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--servers", default="ours,ours-device-only,vllm", help=f"comma list of {', '.join(SERVERS)}")
+    p.add_argument("--servers", default="ours,ours-host,vllm", help=f"comma list of {', '.join(SERVERS)}")
     p.add_argument("--trace", default="weka_claude_code")
     p.add_argument("--traces-dir", default=None)
     p.add_argument("--num-sessions", type=int, default=16)
@@ -151,8 +154,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF model folder (default: the embedded llama-small)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--kv-cache-bytes", type=int, default=96 << 20, help="device KV budget of every server")
-    p.add_argument("--host-kv-bytes", type=int, default=2 << 30, help="sessionserve's host tier ('ours')")
+    p.add_argument("--kv-cache-bytes", type=int, default=96 << 20,
+                   help="total KV bytes of every server, over all its tiers")
+    p.add_argument("--host-kv-bytes", type=int, default=24 << 20,
+                   help="the part of the total that 'ours-host' holds as a host tier")
     p.add_argument("--policy", default="predictive", help="sessionserve's residency policy")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -194,12 +199,18 @@ def main(argv: list[str] | None = None) -> None:
     counters: dict[str, dict[str, float]] = {}
     subagents: dict[str, dict[str, Any]] = {}
     for name in servers:
-        with running(name, a, out) as startup[name]:
+        with running(name, a, out) as server:
+            startup[name] = server.startup_s
             warm_up(a)
             ids = OURS[name][1] if name in OURS else False
             before = server_counters(a) if name in OURS else None
-            runs.update(run_http(trace, name, loads, lambda ids=ids: HttpBackend(
-                f"http://127.0.0.1:{a.port}", None, ids, None, seed=a.seed), seed=a.seed))
+            runs[name] = []
+            for load in loads:
+                cpu0, t0 = server.cpu_s(), time.monotonic()
+                result = run_http(trace, name, [load], lambda ids=ids: HttpBackend(
+                    f"http://127.0.0.1:{a.port}", None, ids, None, seed=a.seed), seed=a.seed)[name][0]
+                result.extra["server_cores_busy"] = (server.cpu_s() - cpu0) / (time.monotonic() - t0)
+                runs[name].append(result)
             if before is not None:
                 # Counted by the server, so they cover sessions the client cannot name (no ids).
                 after = server_counters(a)
@@ -228,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name:18s} {s['sessions_per_hour_at_slo'] or 0:8.1f} sessions/h at SLO  "
               f"{s['sessions_per_hour'] or 0:8.1f} sessions/h  JCT p50 {s['jct_p50_s'] or 0:6.2f} s "
               f"p99 {s['jct_p99_s'] or 0:6.2f} s  TTFT p99 {s['ttft_p99_s'] or 0:.3f} s"
+              + f"  cores busy {s['loads'][-1].get('server_cores_busy', 0):.2f}"
               + (f"  server recompute {recompute[name]:,.0f} tok" if name in recompute else ""))
         if name in subagents:
             sa = subagents[name]

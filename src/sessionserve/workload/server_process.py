@@ -10,13 +10,44 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group `pgid`, from /proc.
+
+    A server and the processes it started (vLLM's engine core) lead one group, so this is the whole server.
+    """
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[2]) == pgid:  # fields[0] is field 3 of stat(5): state, ppid, pgrp, ...
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICKS_PER_S
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    startup_s: float
+    pid: int  # also its process group
+
+    def cpu_s(self) -> float:
+        return group_cpu_s(self.pid)
 
 
 @contextlib.contextmanager
 def server_process(cmd: list[str], port: int, log_path: Path, *, env: dict[str, str] | None = None,
-                   start_timeout_s: float = 600.0, name: str = "server") -> Iterator[float]:
-    """Run `cmd` (output to `log_path`) until the block ends; yields the seconds it took to become healthy.
+                   start_timeout_s: float = 600.0, name: str = "server") -> Iterator[RunningServer]:
+    """Run `cmd` (output to `log_path`) until the block ends; yields it once healthy (its start-up seconds, pid).
 
     The process leads its own session, so stopping it (SIGINT, then SIGKILL after 30 s) also stops the
     processes it started (vLLM's engine core). Raises SystemExit if it dies or is not healthy in time.
@@ -40,7 +71,7 @@ def server_process(cmd: list[str], port: int, log_path: Path, *, env: dict[str, 
                 time.sleep(0.5)
             startup_s = time.monotonic() - t0
             print(f"[{name}] healthy after {startup_s:.0f} s", file=sys.stderr, flush=True)
-            yield startup_s
+            yield RunningServer(startup_s, proc.pid)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGINT)
