@@ -20,6 +20,7 @@ from sessionserve.sim.derived import builtin_profile
 from sessionserve.sim.driver import simulate
 from sessionserve.sim.engine import SimEngine
 from sessionserve.sim.runs import run_sim
+from sessionserve.types.kv_mover import Tier
 from sessionserve.workload.metrics import summarize
 from sessionserve.workload.plots import PLOT_FILES
 from sessionserve.workload.replay import LoadSpec
@@ -247,3 +248,28 @@ def test_parked_entries_follow_the_predictor_within_the_tolerance(monkeypatch: p
                       LoadSpec("closed", 12))
     assert summarize(result)["num_completed"] == 12
     assert counts["refreshed"] > 0 and counts["entries"] > 100
+
+
+@pytest.mark.parametrize("profile", ["h100-llama3-8b", "llama-small-2core"])
+def test_int8_host_tier_holds_as_many_blocks_as_the_real_one(profile: str) -> None:
+    """The simulator sizes an int8 host tier as the real host tier does, for the profile's KV dtype."""
+    import torch
+
+    from sessionserve.cache.host_tier import HostTier
+    from sessionserve.cache.kv_layout import KVLayout
+    from sessionserve.sim.profile import load_profile
+
+    p = builtin_profile(profile) if profile.startswith("h100") else load_profile(
+        str(Path(__file__).parents[2] / "bench" / "profiles" / f"{profile}.json"))
+    m = p.model
+    dtype = {2: torch.bfloat16, 4: torch.float32}[m.kv_dtype_bytes]
+    num_kv_heads = m.kv_bytes_per_token // (2 * m.kv_dtype_bytes * m.head_dim)  # times the layers
+    layout = KVLayout(1, num_kv_heads, 16, m.head_dim, dtype)  # one "layer" of all layers' heads: same bytes
+    assert layout.block_bytes == m.kv_bytes_per_token * 16
+    budget = 64 << 20
+    real = HostTier(layout, budget, quantize_int8=True)
+    eng = SimEngine(Config.from_kwargs(kv_cache_bytes=1 << 30, host_kv_bytes=budget, host_kv_int8=True), p)
+    assert eng.mover.capacity[Tier.HOST] == real.num_blocks
+    plain = SimEngine(Config.from_kwargs(kv_cache_bytes=1 << 30, host_kv_bytes=budget), p)
+    ratio = eng.mover.capacity[Tier.HOST] / plain.mover.capacity[Tier.HOST]
+    assert 1.9 < ratio < 2.0 if m.kv_dtype_bytes == 2 else 3.7 < ratio < 4.0  # not 4x for bf16

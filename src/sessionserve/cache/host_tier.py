@@ -46,11 +46,7 @@ class HostTier:
         # Pinning needs a CUDA runtime (it raises on CPU-only builds) and only
         # helps device<->host DMA, so it is silently off without CUDA.
         self.pin_memory = pin_memory and torch.cuda.is_available()
-        num_planes = layout.num_layers * 2 * layout.num_kv_heads * layout.block_size  # one scale per token vector
-        if quantize_int8:
-            self.stored_block_bytes = layout.block_numel + num_planes * 4  # int8 + fp32 scales
-        else:
-            self.stored_block_bytes = layout.block_bytes
+        self.stored_block_bytes = layout.int8_block_bytes if quantize_int8 else layout.block_bytes
         self.num_blocks = budget_bytes // self.stored_block_bytes
         shape = layout.group_shape(self.num_blocks)
         if quantize_int8:

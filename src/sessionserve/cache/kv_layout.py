@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sessionserve.types.kv_mover import int8_block_bytes
+
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -53,6 +55,11 @@ class KVLayout:
     def block_bytes(self) -> int:
         """Bytes of one block across all layers, K and V, in `dtype`."""
         return self.block_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def int8_block_bytes(self) -> int:
+        """Bytes of one block in an int8 tier (see `int8_block_bytes`)."""
+        return int8_block_bytes(self.block_bytes, torch.empty((), dtype=self.dtype).element_size(), self.head_dim)
 
     def group_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of a block group of `num_blocks` blocks: (n, L, 2, Hkv, bs, D)."""

@@ -272,7 +272,8 @@ def calibrate(model_dir: str | Path, engine_kwargs: dict[str, Any], grid: Grid |
         dtype_bytes = runner.block_bytes // (runner.block_size * arch.kv_bytes_per_token(1))
         model = ModelShape(name=Path(model_dir).name, num_params=arch.num_params(),
                            kv_bytes_per_token=arch.kv_bytes_per_token(dtype_bytes), vocab_size=arch.vocab_size,
-                           max_model_len=runner.max_model_len, weight_bytes=arch.num_params() * dtype_bytes)
+                           max_model_len=runner.max_model_len, weight_bytes=arch.num_params() * dtype_bytes,
+                           kv_dtype_bytes=dtype_bytes, head_dim=arch.head_dim)
         device = str(runner.device)
     finally:
         engine.close()

@@ -37,7 +37,7 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
 # Llama 3.1 8B (config.json of meta-llama/Llama-3.1-8B): 32 layers, 32 query heads, 8 KV heads, head dim 128.
 LLAMA3_8B = ModelShape(name="llama-3.1-8b (bf16)", num_params=8_030_000_000,
                        kv_bytes_per_token=2 * 32 * 8 * 128 * 2, vocab_size=128_256, max_model_len=131_072,
-                       weight_bytes=2 * 8_030_000_000)
+                       weight_bytes=2 * 8_030_000_000, kv_dtype_bytes=2, head_dim=128)
 LLAMA3_8B_ATTN_FLOPS_PER_PAIR = 4 * 32 * 32 * 128  # QK^T and PV: 2 x 2 x head_dim per head per layer
 
 # Stated efficiencies (typical of a tuned serving engine; assumptions, not measurements).

@@ -19,7 +19,7 @@ from sessionserve.sim.executor import CostModelExecutor
 from sessionserve.sim.mover import VirtualMover
 from sessionserve.sim.prefix_cache import SimHostPrefixCache
 from sessionserve.sim.profile import CostProfile
-from sessionserve.types.kv_mover import Tier
+from sessionserve.types.kv_mover import Tier, int8_block_bytes
 from sessionserve.types.sampling_params import SamplingParams
 
 # NOTE: how often the real engine refreshes the policy's costs (LLMEngine.step): same cadence here.
@@ -46,7 +46,9 @@ class SimEngine:
             self.kv.lower = self.host_prefix_cache.load
         self.mover: VirtualMover | None = None
         if sc.host_kv_bytes or sc.disk_kv_bytes:
-            host_block_bytes = self.block_bytes // 4 if sc.host_kv_int8 else self.block_bytes  # int8 of fp32 KV
+            m = profile.model
+            host_block_bytes = (int8_block_bytes(self.block_bytes, m.kv_dtype_bytes, m.head_dim) if sc.host_kv_int8
+                                else self.block_bytes)
             self.mover = VirtualMover(self.clock, self.block_bytes, sc.host_kv_bytes // host_block_bytes,
                                       sc.disk_kv_bytes // self.block_bytes, profile.host_copy_bytes_per_s,
                                       profile.disk_copy_bytes_per_s, profile.move_latency_s)

@@ -55,6 +55,8 @@ class ModelShape:
     vocab_size: int
     max_model_len: int
     weight_bytes: int = 0  # resident weights (device memory not available for KV)
+    kv_dtype_bytes: int = 2  # bytes of one KV element (2: bf16/fp16, 4: fp32): sizes an int8 host tier
+    head_dim: int = 128
 
 
 @dataclass(frozen=True)

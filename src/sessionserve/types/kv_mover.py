@@ -70,3 +70,11 @@ class KVMover(Protocol):
     def wait(self, timeout_s: float) -> None:
         """Block until some move completes or `timeout_s` passes (used when nothing else can run)."""
         ...
+
+
+def int8_block_bytes(block_bytes: int, dtype_bytes: int, head_dim: int) -> int:
+    """Bytes of a block of `block_bytes` (elements of `dtype_bytes` each) stored as int8 with one fp32 scale
+    per token vector (one layer's K or V of one head: `head_dim` elements). The host tier and the
+    simulator size an int8 tier with this."""
+    numel = block_bytes // dtype_bytes
+    return numel + numel // head_dim * 4
