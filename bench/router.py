@@ -1,12 +1,15 @@
-"""Scale-out routing: our session/KV-aware router vs Ray Serve's default (power of two choices), one run.
+"""Scale-out routing: our session/KV-aware router vs the routers a practitioner would deploy, one run.
 
-Starts a local Ray cluster with two Serve apps side by side, each an ingress
-and N engine replicas of the same model and settings: /ours behind
-`SessionKVRouter`, /base behind Ray Serve's default router. Then replays the
-same agent trace over HTTP (`sessionserve bench --backend http`'s driver:
-streamed /v1/completions with X-Session-ID, full prompt every step) against
-each, one after the other, and writes a report with both series
-(baseline: the default router) plus a summary of the ratios.
+The baselines (`--baselines`): Ray Serve's default (`pow2`, power of two
+choices on requests in flight), a sticky-session balancer (`sticky`,
+consistent hashing on the session id) and a prefix-aware router (`prefix`,
+the longest cached prefix, ties to the least loaded, as vLLM's production
+stack and llm-d route). Starts a local Ray cluster and, one router at a
+time, a Serve app of an ingress and N engine replicas of the same model and
+settings behind that router; replays the same agent trace over HTTP
+(`sessionserve bench --backend http`'s driver: streamed /v1/completions with
+X-Session-ID, full prompt every step) against it, and writes a report with
+every series (ratios to Ray's default) plus ours vs each baseline.
 
     .venv/bin/python bench/router.py                                  # defaults recorded in bench/RESULTS.md
     .venv/bin/python bench/router.py --replicas 2 --loads 8 --num-sessions 16
@@ -14,8 +17,8 @@ each, one after the other, and writes a report with both series
 With `--simulate PROFILE` the same comparison runs on the simulator: each
 replica a `SimEngine` with its own virtual clock (replicas side by side, each
 on its own accelerator, unlike a local cluster's shared cores), the same
-routing policy code, and Ray Serve's default modelled as power of two
-choices on requests in flight (`sim/fleet.py`). `--repeats` seeds the
+routing policy code (the baselines too), and Ray Serve's default modelled as
+power of two choices on requests in flight (`sim/fleet.py`). `--repeats` seeds the
 default router's random choices differently each time.
 
     .venv/bin/python bench/router.py --simulate bench/profiles/llama-small-2core.json --num-sessions 24 \
@@ -48,7 +51,12 @@ def main() -> None:
     p.add_argument("--simulate", metavar="PROFILE", default=None,
                    help="run on the simulator with this cost profile (JSON or built-in name) instead of Ray")
     p.add_argument("--repeats", type=int, default=1, help="with --simulate: runs, seeds seed..seed+repeats-1")
+    p.add_argument("--baselines", default="pow2,sticky,prefix", help=f"comma list of {', '.join(BASELINES)}")
     args = p.parse_args()
+    args.routers = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    if not args.routers or set(args.routers) - set(BASELINES):
+        p.error(f"--baselines: choose from {', '.join(BASELINES)}")
+    args.routers.append("session_kv")
     if args.simulate is None and args.repeats != 1:
         p.error("--repeats needs --simulate")
     if args.simulate is not None:
@@ -73,25 +81,24 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     port = start_cluster(args.threads)
-    labels = LABELS
-    targets = []
-    for name, router in (("base", "pow2"), ("ours", "session_kv")):
-        opts = ServeOptions(num_replicas=args.replicas, model=str(model_dir), model_name="m", engine_kwargs=engine,
-                            store_url=f"sqlite://{out / (name + '.db')}", router=router, replica_num_cpus=0)
-        targets.append(serve.RunTarget(build_app(opts), name=name, route_prefix=f"/{name}"))
-    serve.run_many(targets)
     import httpx
 
     runs, cpu = {}, {}
     try:
-        for name in ("base", "ours"):
+        for name in args.routers:  # one app at a time: the others' replicas hold no memory meanwhile
+            opts = ServeOptions(num_replicas=args.replicas, model=str(model_dir), model_name="m",
+                                engine_kwargs=engine, store_url=f"sqlite://{out / (name + '.db')}", router=name,
+                                replica_num_cpus=0)
+            serve.run(build_app(opts), name=name, route_prefix=f"/{name}")
             url = f"http://127.0.0.1:{port}/{name}"
             before = replicas_cpu_s(name)
-            runs.update(run_http(trace, labels[name], loads, lambda url=url: HttpBackend(url, model="m",
+            runs.update(run_http(trace, LABELS[name], loads, lambda url=url: HttpBackend(url, model="m",
                                                                                           seed=args.seed),
                                  seed=args.seed))
-            cpu[labels[name]] = replicas_cpu_s(name) - before
-            (out / f"{name}-router-stats.json").write_text(httpx.get(url + "/router/stats", timeout=30).text)
+            cpu[LABELS[name]] = replicas_cpu_s(name) - before
+            if name != "pow2":
+                (out / f"{name}-router-stats.json").write_text(httpx.get(url + "/router/stats", timeout=30).text)
+            serve.delete(name)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -99,10 +106,13 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": f"embedded llama {args.model_size}",
             "machine": _machine(), "backend": f"HTTP via Ray Serve, {args.replicas} replicas per app",
             "settings": {**engine, "loads": args.loads, "max_steps": args.max_steps, "seed": args.seed}}
-    summarize_runs(trace, runs, meta, labels, out, cpu)
+    summarize_runs(trace, runs, meta, out, cpu)
 
 
-LABELS = {"base": "ray_default_router", "ours": "session_kv_router"}
+BASELINES = ("pow2", "sticky", "prefix")
+LABELS = {"pow2": "ray_default_router", "sticky": "sticky_session_router", "prefix": "prefix_aware_router",
+          "session_kv": "session_kv_router"}
+SIM_NAMES = {"pow2": "p2c", "sticky": "sticky", "prefix": "prefix", "session_kv": "session"}
 
 
 def replicas_cpu_s(app: str) -> float:
@@ -121,16 +131,18 @@ def replicas_cpu_s(app: str) -> float:
     return total
 
 
-def summarize_runs(trace, runs, meta, labels, out: Path, cpu_s: dict[str, float] | None = None) -> None:
-    """Report, summary table and ratios of one comparison (the default router is the baseline). `cpu_s`: per
-    label, the CPU seconds its engine replicas used during its run (a real cluster's only)."""
+def summarize_runs(trace, runs, meta, out: Path, cpu_s: dict[str, float] | None = None) -> None:
+    """Report, summary table and ratios of one comparison (Ray's default router is the report's baseline when
+    it ran); ours vs every baseline. `cpu_s`: per label, the CPU seconds its engine replicas used during its
+    run (a real cluster's only)."""
     from sessionserve.workload.report import fmt, write_report
     from sessionserve.workload.results import build_results
 
     out.mkdir(parents=True, exist_ok=True)
-    results = build_results(trace, runs, meta=meta, baseline=labels["base"])
+    results = build_results(trace, runs, meta=meta, baseline=LABELS["pow2"])
     write_report(out, results, runs)
-    b, o = (results["policies"][labels[k]] for k in ("base", "ours"))
+    series = results["policies"]
+    o = series[LABELS["session_kv"]]
 
     def ratio(x: float | None, y: float | None) -> str:
         return f"{x / y:.2f}x" if x and y else "n/a"
@@ -138,20 +150,22 @@ def summarize_runs(trace, runs, meta, labels, out: Path, cpu_s: dict[str, float]
     lines = ["| router | cached prompt fraction | TTFT p50 s | TTFT p99 s | sessions/h | sustained sessions/h | "
              "JCT p50 s | failed |",
              "|---|---|---|---|---|---|---|---|"]
-    for label, s in ((labels["base"], b), (labels["ours"], o)):
+    for label, s in series.items():
         lines.append(f"| {label} | {fmt(s['cached_fraction'], 3)} | {fmt(s['ttft_p50_s'], 3)} | "
                      f"{fmt(s['ttft_p99_s'], 3)} | {fmt(s['sessions_per_hour'], 1)} | "
                      f"{fmt(s['sessions_per_hour_sustained'], 1)} | {fmt(s['jct_p50_s'])} | {s['num_failed']} |")
-    lines.append(f"\nours vs default: cached fraction {ratio(o['cached_fraction'], b['cached_fraction'])}, "
-                 f"TTFT p50 {ratio(b['ttft_p50_s'], o['ttft_p50_s'])} lower, TTFT p99 "
-                 f"{ratio(b['ttft_p99_s'], o['ttft_p99_s'])} lower, sessions/h "
-                 f"{ratio(o['sessions_per_hour'], b['sessions_per_hour'])} (sustained "
-                 f"{ratio(o['sessions_per_hour_sustained'], b['sessions_per_hour_sustained'])})")
+    for label, b in series.items():
+        if b is o:
+            continue
+        lines.append(f"\nours vs {label}: cached fraction {ratio(o['cached_fraction'], b['cached_fraction'])}, "
+                     f"TTFT p50 {ratio(b['ttft_p50_s'], o['ttft_p50_s'])} lower, TTFT p99 "
+                     f"{ratio(b['ttft_p99_s'], o['ttft_p99_s'])} lower, sessions/h "
+                     f"{ratio(o['sessions_per_hour'], b['sessions_per_hour'])} (sustained "
+                     f"{ratio(o['sessions_per_hour_sustained'], b['sessions_per_hour_sustained'])})")
     if cpu_s:
-        cb, co = (cpu_s[labels[k]] for k in ("base", "ours"))
         n = len(trace.sessions)
-        lines.append(f"engine replicas' CPU: default {cb:.1f} s, ours {co:.1f} s ({cb / n:.2f} / {co / n:.2f} s per "
-                     f"session; ours uses {ratio(cb, co)} less)")
+        lines.append("engine replicas' CPU: " + ", ".join(f"{label} {c:.1f} s ({c / n:.2f} s per session)"
+                                                          for label, c in cpu_s.items()))
         results["replicas_cpu_s"] = cpu_s
     summary = "\n".join(lines)
     (out / "summary.md").write_text(summary + "\n")
@@ -179,11 +193,11 @@ def simulate(args: argparse.Namespace) -> None:
     for r in range(args.repeats):
         seed = args.seed + r
         runs = {}
-        for name, router in (("base", "p2c"), ("ours", "session")):
+        for name in args.routers:
             runs[LABELS[name]] = []
             for load in loads:
                 engines = [SimEngine(sim_config("predictive", engine), profile) for _ in range(args.replicas)]
-                result = simulate_fleet(engines, trace.sessions, load, router, seed=seed)
+                result = simulate_fleet(engines, trace.sessions, load, SIM_NAMES[name], seed=seed)
                 for eng in engines:
                     eng.kv.check_integrity()
                 runs[LABELS[name]].append(result)
@@ -193,7 +207,7 @@ def simulate(args: argparse.Namespace) -> None:
                                                   f"virtual clock, profile {profile.label}",
                 "settings": {**engine, "loads": args.loads, "max_steps": args.max_steps, "seed": seed}}
         print(f"seed {seed}:")
-        summarize_runs(trace, runs, meta, LABELS, out_root / f"seed{seed}")
+        summarize_runs(trace, runs, meta, out_root / f"seed{seed}")
         for label, rs in runs.items():
             print(f"  {label}: steps moved to another replica {sum(x.extra['moves'] for x in rs)}, history "
                   f"tokens a replica lacked {sum(x.extra['history_tokens_resent'] for x in rs):,}")

@@ -178,6 +178,11 @@ def _print_summary(results: dict[str, Any]) -> None:
         print(f"  {name:12s} {s['sessions_per_hour_at_slo'] or 0:8.1f} sessions/h at SLO   JCT p50 "
               f"{s['jct_p50_s'] or 0:6.2f} s p99 {s['jct_p99_s'] or 0:6.2f} s   TTFT p99 {s['ttft_p99_s'] or 0:.3f} s"
               f"   recompute {s['recompute_tokens'] or 0:,.0f} tok   failed {s['num_failed']}")
+    base = results.get("baseline")
+    for name, s in results["policies"].items():
+        ratio = s.get("vs_baseline", {}).get("sessions_per_hour_at_slo")
+        if name != base and ratio:
+            print(f"  {name} vs {base}: {ratio:.2f}x sessions/h at the SLO")
 
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:

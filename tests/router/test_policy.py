@@ -145,3 +145,36 @@ def test_released_session_routes_as_new() -> None:
     apply(state, RouteKey(session_key="s"), "gone")
     d = choose_replica(RouteKey(session_key="s", is_released=True), loads(2, 0), state, CFG)
     assert (d.replica_id, d.reason) == ("r1", RouteReason.LEAST_LOADED)
+
+
+# -- baselines -----------------------------------------------------------------------------------
+
+
+def test_sticky_hashes_sessions_consistently_and_ignores_load() -> None:
+    from sessionserve.router.policy import sticky_replica
+
+    three, two = loads(0, 0, 0), loads(0, 0)
+    homes = {f"s{i}": sticky_replica(RouteKey(session_key=f"s{i}"), three).replica_id for i in range(200)}
+    assert set(homes.values()) == {"r0", "r1", "r2"}  # spread over every replica
+    busy = loads(9, 0, 0)  # load does not move a session
+    assert all(sticky_replica(RouteKey(session_key=s), busy).replica_id == r for s, r in homes.items())
+    # r2 leaves: only its sessions move
+    moved = {s for s, r in homes.items() if sticky_replica(RouteKey(session_key=s), two).replica_id != r}
+    assert moved == {s for s, r in homes.items() if r == "r2"}
+    assert sticky_replica(RouteKey(), loads(3, 1, 2)).replica_id == "r1"  # no session: fewest in flight
+
+
+def test_prefix_router_takes_the_longest_match_then_the_least_loaded() -> None:
+    from sessionserve.router.policy import RouteReason, decide, longest_prefix_replica
+
+    state = RouterState.create(CFG)
+    short, long = RouteKey(block_hashes=hashes(list(range(8)))), RouteKey(block_hashes=hashes(list(range(16))))
+    apply(state, short, "r0")
+    apply(state, long, "r1")
+    follow = RouteKey(session_key="x", block_hashes=hashes(list(range(20))))
+    d = longest_prefix_replica(follow, loads(0, 9), state)
+    assert (d.replica_id, d.reason, d.num_matched_blocks) == ("r1", RouteReason.PREFIX, 4)  # load not weighed
+    fresh = RouteKey(block_hashes=hashes([99] * 8))
+    assert longest_prefix_replica(fresh, loads(5, 2), state).replica_id == "r1"
+    assert decide("prefix", fresh, loads(5, 2), state, CFG) == longest_prefix_replica(fresh, loads(5, 2), state)
+    assert decide("session_kv", fresh, loads(0, 0), state, CFG) == choose_replica(fresh, loads(0, 0), state, CFG)

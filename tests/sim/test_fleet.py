@@ -65,3 +65,12 @@ def test_our_router_keeps_sessions_home_and_caches_more_than_power_of_two() -> N
 def test_unknown_router() -> None:
     with pytest.raises(ValueError, match="unknown router"):
         make_router("random")
+
+
+
+def test_baseline_routers_in_the_fleet() -> None:
+    (st, sst), (pr, spr), (p2, sp2) = run(2, "sticky"), run(2, "prefix"), run(2, "p2c")
+    assert sst["num_completed"] == spr["num_completed"] == 16
+    assert st.extra["moves"] == 0  # a session's every step on its hashed replica
+    assert pr.extra["moves"] < p2.extra["moves"]  # the history's prefix pulls a session back to its copy
+    assert spr["cached_fraction"] > sp2["cached_fraction"]

@@ -17,6 +17,13 @@ Order of preference, after Dynamo's KV router and Ray's prefix-affinity router:
 A session also leaves a home that is merely busier (not overloaded) when the
 queue gap, priced the same way, exceeds what it would recompute elsewhere.
 
+Two baselines a practitioner would deploy live here too, so every router is
+measured on the same code path: `sticky_replica` (consistent hashing of the
+session id over the replicas, as a sticky-session load balancer does) and
+`longest_prefix_replica` (the replica believed to cache the longest prefix of
+the prompt, ties to the least loaded, as vLLM's production-stack router and
+llm-d route; no session notion).
+
 The policy imports no Ray, no HTTP and no clock; `PrefixIndex` is the
 router's own record of which block hashes it sent where (an approximation of
 each replica's prefix cache, bounded per replica like the cache it mirrors).
@@ -24,6 +31,7 @@ each replica's prefix cache, bounded per replica like the cache it mirrors).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -203,6 +211,49 @@ def _choose_fresh(key: RouteKey, ranked: list[ReplicaLoad], state: RouterState,
     if best_n >= config.min_prefix_blocks:
         return RouteDecision(best.replica_id, RouteReason.PREFIX, best_n)
     return RouteDecision(best.replica_id, RouteReason.LEAST_LOADED, best_n)
+
+
+BASELINES = ("sticky", "prefix")
+
+
+def sticky_replica(key: RouteKey, replicas: Sequence[ReplicaLoad]) -> RouteDecision | None:
+    """Consistent hashing on the session id (rendezvous: the replica with the highest hash of id + session
+    wins, so a replica leaving moves only its own sessions). A request without a session goes to the
+    replica with the fewest requests in flight."""
+    if not replicas:
+        return None
+    if key.session_key is None:
+        least = min(replicas, key=lambda r: (r.num_queued, r.replica_id))
+        return RouteDecision(least.replica_id, RouteReason.LEAST_LOADED)
+
+    def weight(r: ReplicaLoad) -> bytes:
+        return hashlib.blake2b(f"{r.replica_id}\0{key.session_key}".encode(), digest_size=8).digest()
+
+    return RouteDecision(max(replicas, key=weight).replica_id, RouteReason.AFFINITY)
+
+
+def longest_prefix_replica(key: RouteKey, replicas: Sequence[ReplicaLoad],
+                           state: RouterState) -> RouteDecision | None:
+    """The replica this router sent the longest leading run of the prompt's blocks to; ties (and no match)
+    to the fewest requests in flight. Sessions and the replicas' KV use are not looked at."""
+    if not replicas:
+        return None
+    best = min(replicas, key=lambda r: (-state.index.num_matched(r.replica_id, key.block_hashes), r.num_queued,
+                                        r.replica_id))
+    n = state.index.num_matched(best.replica_id, key.block_hashes)
+    return RouteDecision(best.replica_id, RouteReason.PREFIX if n else RouteReason.LEAST_LOADED, n)
+
+
+def decide(mode: str, key: RouteKey, replicas: Sequence[ReplicaLoad], state: RouterState,
+           config: PolicyConfig) -> RouteDecision | None:
+    """The decision of router `mode`: "session_kv" (ours, `choose_replica`) or a baseline."""
+    if mode == "sticky":
+        return sticky_replica(key, replicas)
+    if mode == "prefix":
+        return longest_prefix_replica(key, replicas, state)
+    if mode == "session_kv":
+        return choose_replica(key, replicas, state, config)
+    raise ValueError(f"unknown router {mode!r}; choose from session_kv, {', '.join(BASELINES)}")
 
 
 def apply(state: RouterState, key: RouteKey, replica_id: str) -> None:

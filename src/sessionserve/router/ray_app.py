@@ -6,8 +6,10 @@
 `build_app(options)` returns the bound application for `serve.run`;
 `app_builder(args)` is the same for `serve run` / a Serve config file
 (`import_path: sessionserve.router.ray_app:app_builder`, `args: {replicas: 2}`).
-`router="pow2"` deploys the same thing behind Ray Serve's default router, the
-baseline our router is measured against.
+`router="pow2"` deploys the same thing behind Ray Serve's default router;
+`"sticky"` (consistent hashing on the session id) and `"prefix"` (longest
+cached prefix) behind the baselines of `router.policy`: what our router is
+measured against.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 ENGINE_DEPLOYMENT = "Engine"
+ROUTERS = ("session_kv", "pow2", "sticky", "prefix")
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,9 @@ class ServeOptions:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # Config.from_kwargs(...) of each replica
     api_keys: tuple[tuple[str, str], ...] = ()  # (key, tenant); empty: open
     store_url: str | None = None  # None: an SQLite file in the temp dir (shared by the replicas of this machine)
-    router: str = "session_kv"  # "session_kv" (ours) or "pow2" (Ray Serve's default)
+    # "session_kv" (ours), "pow2" (Ray Serve's default), or a baseline: "sticky" (consistent hashing on the
+    # session id), "prefix" (longest cached prefix)
+    router: str = "session_kv"
     router_kwargs: dict[str, Any] = field(default_factory=dict)  # PolicyConfig fields
     max_ongoing_requests: int = 64  # per replica; past it Serve queues at the router
     routing_stats_period_s: float = 0.5  # how often replicas report free KV blocks and parked sessions
@@ -39,8 +44,8 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError("num_replicas must be >= 1")
-        if self.router not in ("session_kv", "pow2"):
-            raise ValueError("router must be 'session_kv' or 'pow2'")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}")
 
 
 def default_store_url() -> str:
@@ -60,9 +65,10 @@ def build_app(options: ServeOptions) -> Any:
         options = replace(options, store_url=default_store_url())
     timing = {"request_routing_stats_period_s": options.routing_stats_period_s,
                   "request_routing_stats_timeout_s": max(1.0, 4 * options.routing_stats_period_s)}
-    if options.router == "session_kv":
+    if options.router != "pow2":
         router_config = RequestRouterConfig(request_router_class=SessionKVRouter,
-                                            request_router_kwargs=dict(options.router_kwargs), **timing)
+                                            request_router_kwargs={"mode": options.router, **options.router_kwargs},
+                                            **timing)
     else:
         router_config = RequestRouterConfig(**timing)  # Serve's default: power of two choices
     # NOTE: the replica count belongs to the deployment, not to a replica's init args: a Serve config that

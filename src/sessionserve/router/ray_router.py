@@ -37,9 +37,16 @@ def route_key_of(pending_request: PendingRequest | None) -> RouteKey:
 
 
 class SessionKVRouter(RequestRouter):
-    """Session affinity, then longest cached prefix, then least loaded (see `router.policy`)."""
+    """Session affinity, then longest cached prefix, then least loaded (see `router.policy`).
 
-    def initialize_state(self, **kwargs: Any) -> None:
+    `mode="sticky"` or `"prefix"` runs a baseline policy instead (consistent hashing on the session id;
+    longest prefix alone), with the same bookkeeping and counters.
+    """
+
+    def initialize_state(self, mode: str = "session_kv", **kwargs: Any) -> None:
+        if mode not in ("session_kv", *pol.BASELINES):
+            raise ValueError(f"unknown router mode {mode!r}")
+        self.mode = mode
         self.policy_config = PolicyConfig(**kwargs)
         self.state = pol.RouterState.create(self.policy_config)
         self.stats = RouterStats()
@@ -58,13 +65,13 @@ class SessionKVRouter(RequestRouter):
                            num_parked_sessions=stats.get("num_parked_sessions", 0))
 
     def decide(self, key: RouteKey, candidates: list[RunningReplica]) -> RouteDecision | None:
-        return pol.choose_replica(key, [self._load(r) for r in candidates], self.state, self.policy_config)
+        return pol.decide(self.mode, key, [self._load(r) for r in candidates], self.state, self.policy_config)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         key = route_key_of(pending_request)
         loads = [self._load(r) for r in candidate_replicas]
-        decision = pol.choose_replica(key, loads, self.state, self.policy_config)
+        decision = pol.decide(self.mode, key, loads, self.state, self.policy_config)
         if decision is None:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}

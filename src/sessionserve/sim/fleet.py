@@ -16,7 +16,9 @@ idle TTL, and may get the session back.
 
 Routers: `session` is our routing policy (`router.policy.choose_replica`, the
 code the Ray Serve router runs); `p2c` is Ray Serve's default, power of two
-choices (two random replicas, the one with fewer requests in flight).
+choices (two random replicas, the one with fewer requests in flight);
+`sticky` (consistent hashing on the session id) and `prefix` (longest cached
+prefix, ties to the least loaded) are `router.policy`'s baselines.
 
 The result is one `ReplayResult` for the fleet; workload metrics and reports
 apply unchanged. Closed or open loop as the bench; sub-agents are not
@@ -40,7 +42,7 @@ from sessionserve.workload.prompts import PromptBuilder
 from sessionserve.workload.replay import LoadSpec, ReplayResult, SessionRecord, StepRecord
 from sessionserve.workload.trace import AgentSession
 
-ROUTERS = ("session", "p2c")
+ROUTERS = ("session", "p2c", *rp.BASELINES)
 # A fleet whose replicas have work but produce nothing for this long (simulated seconds) is stuck.
 STALL_S = 600.0
 
@@ -55,14 +57,16 @@ class Router:
 
 
 class SessionRouter(Router):
-    """Our routing policy, as the Ray Serve router runs it: affinity, cached prefix, load."""
+    """A policy of `router.policy`, as the Ray Serve router runs it: ours ("session_kv": affinity, cached
+    prefix, load) or a baseline ("sticky", "prefix")."""
 
-    def __init__(self, config: rp.PolicyConfig | None = None) -> None:
+    def __init__(self, config: rp.PolicyConfig | None = None, mode: str = "session_kv") -> None:
         self.config = config or rp.PolicyConfig()
         self.state = rp.RouterState.create(self.config)
+        self.mode = mode
 
     def route(self, key: rp.RouteKey, loads: list[rp.ReplicaLoad]) -> int:
-        decision = rp.choose_replica(key, loads, self.state, self.config)
+        decision = rp.decide(self.mode, key, loads, self.state, self.config)
         assert decision is not None
         rp.apply(self.state, key, decision.replica_id)
         return int(decision.replica_id)
@@ -87,6 +91,8 @@ def make_router(name: str, seed: int = 0) -> Router:
         return SessionRouter()
     if name == "p2c":
         return PowerOfTwoRouter(seed)
+    if name in rp.BASELINES:
+        return SessionRouter(mode=name)
     raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")
 
 
