@@ -81,7 +81,3 @@ class Session:
     def kv_key(self) -> str:
         """Key of the session's own block table in the KV manager while parked."""
         return f"session:{self.session_id}"
-
-    @property
-    def is_on_device(self) -> bool:
-        return self.residency in (Residency.DEVICE, Residency.OFFLOADING)

@@ -32,7 +32,6 @@ reproducible.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -430,7 +429,3 @@ def summary(result: TrainResult) -> str:
             f"in {r['train_s']:.0f}s, train loss {r['final_train_loss']:.3f}, eval loss {r['final_eval_loss']:.3f} "
             f"(from {r['initial_eval_loss']:.3f})")
 
-
-def load_record(model_dir: str | Path) -> dict[str, Any]:
-    """training.json of a trained folder."""
-    return json.loads((Path(model_dir) / "training.json").read_text(encoding="utf-8"))

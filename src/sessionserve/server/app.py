@@ -43,7 +43,7 @@ from sessionserve.server.auth import Auth
 from sessionserve.server.bridge import AsyncEngine, EngineDead, EngineOverloaded
 from sessionserve.server.implicit import ImplicitSessions
 from sessionserve.server.model_route import ModelRoutePolicy
-from sessionserve.server.protocol import OpenAIError, format_validation_errors
+from sessionserve.server.protocol import OpenAIError, format_validation_errors, model_card
 from sessionserve.server.response_store import ResponseStore
 from sessionserve.server.turn.identity import SessionIdNotice, session_id_notice
 
@@ -233,10 +233,10 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [{"id": slot.name, "object": "model", "created": state.created, "owned_by": "sessionserve",
-                 "max_model_len": slot.engine.max_model_len} for slot in slots.values()]
+        data = [{**model_card(slot.name, state.created), "max_model_len": slot.engine.max_model_len}
+                for slot in slots.values()]
         if route is not None:
-            data.append({"id": AUTO_MODEL, "object": "model", "created": state.created, "owned_by": "sessionserve",
+            data.append({**model_card(AUTO_MODEL, state.created),
                          "max_model_len": min(slots[route.large].engine.max_model_len,
                                               slots[route.small].engine.max_model_len),
                          "routes": {"plan": route.large, "execute": route.small}})

@@ -45,13 +45,11 @@ from sessionserve.server.protocol_responses import (
     TokenLogprob,
     chat_chunk,
     chat_completion,
-    chat_finish_reason,
     chat_logprobs,
     completion,
     completion_chunk,
     completion_logprobs,
     model_card,
-    model_list,
     usage_dict,
 )
 from sessionserve.types.guided import GuidedDecoding
@@ -65,8 +63,8 @@ __all__ = [
     "Tool", "ToolCall", "ToolCallFunction", "CompletionRequest", "valid_tool_name", "parse_chat_request", "parse_completion_request",
     "sampling_kwargs", "guided_decoding", "format_guide",
     # responses
-    "chat_completion", "chat_chunk", "chat_finish_reason", "completion", "completion_chunk", "usage_dict",
-    "TokenLogprob", "chat_logprobs", "completion_logprobs", "LOGPROB_FLOOR", "model_card", "model_list",
+    "chat_completion", "chat_chunk", "completion", "completion_chunk", "usage_dict",
+    "TokenLogprob", "chat_logprobs", "completion_logprobs", "LOGPROB_FLOOR", "model_card",
 ]
 
 # OpenAI's default for /v1/completions; chat defaults to "until the context is full".

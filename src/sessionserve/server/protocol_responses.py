@@ -11,9 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-FinishReason = Literal["stop", "length", "tool_calls"]
+from typing import Any
 
 # JSON has no -inf; OpenAI reports impossible tokens with this floor instead.
 LOGPROB_FLOOR = -9999.0
@@ -94,17 +92,6 @@ def _completion_lp(logprobs: Logprobs) -> dict[str, Any] | None:
     return logprobs if logprobs is None or isinstance(logprobs, dict) else completion_logprobs(logprobs)
 
 
-def chat_finish_reason(engine_reason: str | None, has_tool_calls: bool) -> FinishReason:
-    """OpenAI finish_reason from the engine's ("stop" | "length" | "abort" ...) and the parsed output.
-
-    Tool calls win over "stop" (the model ended its turn to call them), but a
-    reply cut at max_tokens is "length" even if it made calls before the cut.
-    """
-    if engine_reason == "length":
-        return "length"
-    return "tool_calls" if has_tool_calls else "stop"
-
-
 def chat_completion(id: str, created: int, model: str, content: str | None,
                     tool_calls: list[dict[str, Any]] | None, finish_reason: str, usage: dict[str, Any], *,
                     logprobs: Logprobs = None, system_fingerprint: str | None = None) -> dict[str, Any]:
@@ -178,7 +165,3 @@ def model_card(model_id: str, created: int, owned_by: str = "sessionserve") -> d
     """One entry of GET /v1/models (and the body of GET /v1/models/{id})."""
     return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by}
 
-
-def model_list(model_ids: Iterable[str], created: int, owned_by: str = "sessionserve") -> dict[str, Any]:
-    """Body of GET /v1/models."""
-    return {"object": "list", "data": [model_card(m, created, owned_by) for m in model_ids]}

@@ -47,7 +47,7 @@ def chunk_delta(event: Event) -> dict[str, Any] | None:
 def test_chat_completion_with_tool_calls_and_logprobs() -> None:
     content, calls = parse_tool_calls(MODEL_OUTPUT, {"get_weather"})
     body = P.chat_completion("chatcmpl-1", 1700000000, "m", content, calls,
-                             P.chat_finish_reason("stop", bool(calls)), USAGE, logprobs=LOGPROBS)
+                             "tool_calls" if calls else "stop", USAGE, logprobs=LOGPROBS)
     parsed = ChatCompletion.model_validate(body)
     assert parsed.object == "chat.completion" and parsed.choices[0].finish_reason == "tool_calls"
     msg = parsed.choices[0].message
@@ -66,20 +66,13 @@ def test_chat_completion_plain_text_has_no_tool_calls_key() -> None:
     assert ChatCompletion.model_validate(body).choices[0].finish_reason == "length"
 
 
-def test_finish_reason_mapping() -> None:
-    assert P.chat_finish_reason("stop", False) == "stop"
-    assert P.chat_finish_reason("stop", True) == "tool_calls"
-    assert P.chat_finish_reason("length", True) == "length"
-    assert P.chat_finish_reason("abort", False) == "stop"
-
-
 def stream_chunks(text_pieces: list[str], include_usage: bool) -> list[dict[str, Any]]:
     """The chunks a route sends for a streamed chat reply with tools."""
     parser = tool_call_stream(ToolFormat.HERMES, {"get_weather"})
     chunks = [P.chat_chunk("c", 1, "m", {"role": "assistant", "content": ""})]
     events = [e for piece in text_pieces for e in parser.feed(piece)] + parser.finish()
     chunks += [P.chat_chunk("c", 1, "m", delta) for delta in map(chunk_delta, events) if delta is not None]
-    chunks.append(P.chat_chunk("c", 1, "m", {}, finish_reason=P.chat_finish_reason("stop", bool(parser.calls))))
+    chunks.append(P.chat_chunk("c", 1, "m", {}, finish_reason="tool_calls" if parser.calls else "stop"))
     if include_usage:
         chunks.append(P.chat_chunk("c", 1, "m", None, usage=USAGE))
     return chunks
@@ -115,9 +108,8 @@ def test_completion_bodies() -> None:
     assert usage_only["choices"] == [] and Completion.model_validate(usage_only).usage.total_tokens == 14
 
 
-def test_model_list() -> None:
-    body = P.model_list(["qwen-tiny"], created=5)
-    assert body["object"] == "list" and Model.model_validate(body["data"][0]).id == "qwen-tiny"
+def test_model_card() -> None:
+    assert Model.model_validate(P.model_card("qwen-tiny", created=5)).id == "qwen-tiny"
 
 
 # --- end to end through the official client ---
@@ -127,7 +119,7 @@ def fake_server(model_output: str, status_error: P.OpenAIError | None = None) ->
 
     def handle(request: httpx2.Request) -> httpx2.Response:
         if request.url.path.endswith("/models"):
-            return httpx2.Response(200, json=P.model_list(["m"], created=1))
+            return httpx2.Response(200, json={"object": "list", "data": [P.model_card("m", 1)]})
         try:
             if status_error is not None:
                 raise status_error
@@ -137,7 +129,7 @@ def fake_server(model_output: str, status_error: P.OpenAIError | None = None) ->
         if not req.stream:
             content, calls = parse_tool_calls(model_output, req.tool_names)
             return httpx2.Response(200, json=P.chat_completion(
-                "c", 1, req.model, content, calls, P.chat_finish_reason("stop", bool(calls)), USAGE))
+                "c", 1, req.model, content, calls, "tool_calls" if calls else "stop", USAGE))
         chunks = stream_chunks([model_output[i:i + 3] for i in range(0, len(model_output), 3)], req.include_usage)
         sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
         return httpx2.Response(200, text=sse, headers={"content-type": "text/event-stream"})
