@@ -26,12 +26,34 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import SchedulerConfig
 from sessionserve.core.priority import PriorityPolicy
 from sessionserve.types.scheduler_output import ScheduledChunk, SchedulerOutput
 from sessionserve.types.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """What one step has left to hand out, and what it handed out, as `schedule`'s phases run."""
+
+    tokens: int  # batched tokens left
+    background: int  # of which background (batch-class) prefills may still take this many
+    yield_key: tuple[int, int, int, float] | None  # batch prefills ranking after this key yield to it
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # request ids preempted by recompute this step
+
+    def limit(self, background: bool) -> int:
+        """Tokens a chunk may take: background prefills also within their share."""
+        return min(self.tokens, self.background) if background else self.tokens
+
+    def take(self, chunk: ScheduledChunk, background: bool) -> None:
+        self.chunks.append(chunk)
+        self.tokens -= chunk.num_tokens
+        if background:
+            self.background -= chunk.num_tokens
 
 
 class Scheduler:
@@ -88,56 +110,72 @@ class Scheduler:
         if not self.running and not self.waiting:  # idle: most ticks of a server whose agents wait on tools
             self.num_wanted_blocks = 0
             return SchedulerOutput((), 0, (), self.kv.block_tables)
-        budget = self.config.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        preempted: list[str] = []
-        scheduled_ids: set[int] = set()
-
         prioritized = self.policy.policy != "fcfs"
-        if prioritized:
-            if len(self.running) > 1:
-                self.running.sort(key=lambda s: self._key(s, now_s))
-            if len(self.waiting) > 1:
-                self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
-        urgent_preempted = self._preempt_for_urgent(now_s) if prioritized else []
-        if urgent_preempted:
-            self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
-        # Batch prefill chunks that rank below the first waiting interactive turn yield it the budget.
-        first_interactive = next((s for s in self.waiting if s.priority == 0 and not s.is_blocked), None) \
-            if prioritized else None
-        yield_key = self._key(first_interactive, now_s) if first_interactive is not None else None
-        deferred: list[Sequence] = []
-        # Background prefill tokens left this step: limited while interactive turns run or are first in line.
-        bg_left = budget
-        if prioritized and self.policy.background_prefill_tokens and (
-                first_interactive is not None or any(s.priority == 0 for s in self.running)):
-            bg_left = self.policy.background_prefill_tokens
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            bg_prefill = seq.priority > 0 and seq.num_uncomputed_tokens > 1
-            if bg_prefill and (bg_left <= 0 or yield_key is not None and self._key(seq, now_s) > yield_key):
-                deferred.append(seq)
-                i += 1
-                continue
-            chunk = self._chunk_or_preempt(seq, min(budget, bg_left) if bg_prefill else budget, preempted)
-            if chunk is None:
-                break  # seq itself was preempted: nothing more fits
-            chunks.append(chunk)
-            scheduled_ids.add(id(seq))
-            budget -= chunk.num_tokens
-            if bg_prefill:
-                bg_left -= chunk.num_tokens
-            i += 1
-
+        urgent_preempted = self._order(now_s) if prioritized else []
+        step = self._step_budget(now_s, prioritized)
+        deferred = self._schedule_running(step, now_s)
         # NOTE: no admissions in a step that preempted: memory is short, and
         # admitting now would only preempt again next step.
         self.num_wanted_blocks = 0
+        if not step.preempted:
+            self._admit_waiting(step, now_s, prioritized)
+        self._fill_deferred(step, deferred)
+        return SchedulerOutput(tuple(step.chunks), self.config.max_num_batched_tokens - step.tokens,
+                               tuple(urgent_preempted + step.preempted), self.kv.block_tables)
+
+    def _order(self, now_s: float | None) -> list[str]:
+        """Phase 0: both queues in the policy's order; an urgent interactive turn preempts batch work.
+        Returns the preempted request ids."""
+        if len(self.running) > 1:
+            self.running.sort(key=lambda s: self._key(s, now_s))
+        if len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
+        urgent_preempted = self._preempt_for_urgent(now_s)
+        if urgent_preempted:
+            self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
+        return urgent_preempted
+
+    def _step_budget(self, now_s: float | None, prioritized: bool) -> StepBudget:
+        """The step's token budget, and how much of it background prefills may take: limited while
+        interactive turns run or are first in line."""
+        budget = self.config.max_num_batched_tokens
+        # Batch prefill chunks that rank below the first waiting interactive turn yield it the budget.
+        first_interactive = next((s for s in self.waiting if s.priority == 0 and not s.is_blocked), None) \
+            if prioritized else None
+        background = budget
+        if prioritized and self.policy.background_prefill_tokens and (
+                first_interactive is not None or any(s.priority == 0 for s in self.running)):
+            background = self.policy.background_prefill_tokens
+        yield_key = self._key(first_interactive, now_s) if first_interactive is not None else None
+        return StepBudget(budget, background, yield_key)
+
+    def _schedule_running(self, step: StepBudget, now_s: float | None) -> list[Sequence]:
+        """Phase 1: running sequences in order, preempting from the end when a block is short (phase 2).
+        Returns the background prefills deferred until the admissions have had the budget."""
+        deferred: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and step.tokens > 0:
+            seq = self.running[i]
+            bg_prefill = seq.priority > 0 and seq.num_uncomputed_tokens > 1
+            if bg_prefill and (step.background <= 0 or step.yield_key is not None
+                               and self._key(seq, now_s) > step.yield_key):
+                deferred.append(seq)
+                i += 1
+                continue
+            chunk = self._chunk_or_preempt(seq, step.limit(bg_prefill), step.preempted)
+            if chunk is None:
+                break  # seq itself was preempted: nothing more fits
+            step.take(chunk, bg_prefill)
+            i += 1
+        return deferred
+
+    def _admit_waiting(self, step: StepBudget, now_s: float | None, prioritized: bool) -> None:
+        """Phase 3: waiting sequences in order, each from its longest cached prefix, while the budget, the
+        sequence limit and free blocks allow."""
         skipped: list[Sequence] = []
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and step.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.is_blocked or (seq.priority > 0 and bg_left <= 0):  # KV still coming back; no room left
+            if seq.is_blocked or (seq.priority > 0 and step.background <= 0):  # KV still coming back; no room
                 skipped.append(self.waiting.popleft())
                 continue
             if seq.request_id in self.kv.block_tables:  # resumes with KV it already holds
@@ -151,7 +189,7 @@ class Scheduler:
                     self.num_prefix_waits += 1
                     continue
             num_new = seq.num_tokens - start
-            limit = min(budget, bg_left) if seq.priority > 0 else budget
+            limit = step.limit(seq.priority > 0)
             if num_new > limit and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, limit)
@@ -180,32 +218,25 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.admitted_s = now_s
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens))
-            budget -= num_new
-            if seq.priority > 0:
-                bg_left -= num_new
+            step.take(ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens), seq.priority > 0)
         self.waiting.extendleft(reversed(skipped))
 
-        for seq in deferred:  # background chunks fill what the interactive admissions left
-            num_new = min(seq.num_uncomputed_tokens, budget, bg_left)
+    def _fill_deferred(self, step: StepBudget, deferred: list[Sequence]) -> None:
+        """Last: the deferred background chunks take what the admissions left (no preemption for them)."""
+        for seq in deferred:
+            num_new = min(seq.num_uncomputed_tokens, step.tokens, step.background)
             if num_new <= 0:
                 break
             if self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
-                continue  # no preemption for background work; it retries next step
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new,
-                                         seq.num_computed_tokens + num_new == seq.num_tokens))
-            budget -= num_new
-            bg_left -= num_new
-        if not chunks and deferred and not preempted:
+                continue  # it retries next step
+            step.take(ScheduledChunk(seq, seq.num_computed_tokens, num_new,
+                                     seq.num_computed_tokens + num_new == seq.num_tokens), True)
+        if not step.chunks and deferred and not step.preempted:
             # Nothing else could run (the interactive turn waits for memory the deferred ones hold):
-            # the first deferred chunk goes ahead, preempting from the end of the order as step 2 does.
-            chunk = self._chunk_or_preempt(deferred[0], budget, preempted)
+            # the first deferred chunk goes ahead, preempting from the end of the order as phase 1 does.
+            chunk = self._chunk_or_preempt(deferred[0], step.tokens, step.preempted)
             if chunk is not None:
-                chunks.append(chunk)
-                budget -= chunk.num_tokens
-
-        return SchedulerOutput(tuple(chunks), self.config.max_num_batched_tokens - budget,
-                               tuple(urgent_preempted + preempted), self.kv.block_tables)
+                step.take(chunk, False)
 
     def _prefix_in_flight(self, seq: Sequence, index: int) -> bool:
         """True if a running sequence is computing block `index` of `seq`'s prefix (same chained hash), which
