@@ -5,6 +5,9 @@ longer ones to host (or disk, by size and room) as soon as they park; under
 pressure, the farthest predicted next use first; prefetch so the KV is back
 just before the predicted resume. Pure: a function of the `ResidencyView`;
 the index is a cache that any view answers exactly as a fresh policy would.
+
+`reference_decide` is the same policy written plainly, with no index: read it
+to know what the policy decides (a property test holds `decide` to it).
 """
 
 from __future__ import annotations
@@ -319,3 +322,66 @@ class PredictivePolicy:
         self._index.sync(self, view)
         return self._index.next_act_s(on_device=self._demotes(view))
 
+
+def reference_decide(policy: PredictivePolicy, view: ResidencyView) -> tuple[ResidencyAction, ...]:
+    """What `PredictivePolicy.decide` returns, computed from the view alone.
+
+    A session on device is *long* when its expected remaining wait exceeds `keep_threshold_s` (a few
+    host round trips of its size): moving it out and back costs less than holding it. One off device
+    is *due* when its expected remaining wait is below `lead_s` (a few restore times). Under pressure
+    (queued work lacks blocks, or free blocks are below the watermark) sessions on device leave
+    farthest next use first, to host when the round trip beats the wait, else to disk when a restore
+    beats recomputing, else host if it fits, else they are dropped; without pressure only long ones
+    leave, to host, and only on a device more than `demote_above_usage` used. Then due sessions come
+    back, soonest first, into the room above the watermark.
+    """
+    c, now = view.costs, view.now_s
+
+    def long(s: ParkedSession) -> bool:
+        return policy.remaining_s(s, now) > policy.keep_threshold_s(s, c)
+
+    reserve = int(policy.low_watermark * view.num_device_blocks)
+    need = pressure(view) + max(0, reserve - view.num_free_device_blocks)
+    if need > 0:
+        need -= sum(s.num_freed_blocks for s in view.parked if s.residency is Residency.OFFLOADING)
+    on_device = [(i, s) for i, s in enumerate(view.parked) if s.residency is Residency.DEVICE]
+    if need > 0:
+        # Sessions whose blocks all stay (others read them) last; then farthest next use; then view order.
+        order = sorted(on_device, key=lambda x: (x[1].num_freed_blocks <= 0, -policy.remaining_s(x[1], now), x[0]))
+    elif policy._demotes(view):
+        order = sorted(((i, s) for i, s in on_device if s.num_freed_blocks > 0 and long(s)),
+                       key=lambda x: (-policy.remaining_s(x[1], now), x[0]))
+    else:
+        order = []
+    actions: list[ResidencyAction] = []
+    host_free, disk_free = view.num_free_host_blocks, view.num_free_disk_blocks
+    for _, s in order:
+        if need <= 0:
+            if s.num_freed_blocks > 0 and long(s) and host_free >= s.num_blocks:
+                actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
+                host_free -= s.num_blocks
+            continue
+        remaining = policy.remaining_s(s, now)
+        if host_free >= s.num_blocks and s.num_blocks <= max(1, policy.host_share * host_free) \
+                and 2 * c.host_s_per_block * s.num_blocks < remaining:
+            actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
+            host_free -= s.num_blocks
+        elif disk_free >= s.num_blocks and \
+                2 * c.disk_s_per_block * s.num_blocks < 4 * c.recompute_s_per_token * s.num_tokens:
+            actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.DISK))
+            disk_free -= s.num_blocks
+        elif host_free >= s.num_blocks:
+            actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
+            host_free -= s.num_blocks
+        else:
+            actions.append(ResidencyAction(ActionKind.DROP, s.session_id))
+        need -= s.num_freed_blocks
+    room = view.num_free_device_blocks - reserve - pressure(view)
+    off_device = [(i, s) for i, s in enumerate(view.parked) if s.residency in (Residency.HOST, Residency.DISK)]
+    due = sorted((policy.remaining_s(s, now), i, s) for i, s in off_device
+                 if policy.remaining_s(s, now) <= policy.lead_s(s, c))
+    for _, _, s in due:
+        if s.num_blocks <= room:
+            actions.append(ResidencyAction(ActionKind.PREFETCH, s.session_id))
+            room -= s.num_blocks
+    return tuple(actions)

@@ -296,3 +296,30 @@ def test_predictive_counts_offloads_under_way_against_the_need() -> None:
     moving = a._replace(residency=Residency.OFFLOADING)
     assert pol.decide(view([moving, b], free=10, wanted=18)) == ()
     assert kinds(pol.decide(view([moving, b], free=10, wanted=25))) == {"b": ActionKind.OFFLOAD}
+
+
+def _near_a_threshold(v: ResidencyView) -> bool:
+    """A session whose expected remaining wait is within rounding of its threshold (where the index's
+    piecewise table and a direct comparison may round apart)."""
+    from sessionserve.core.predictive import PredictivePolicy
+
+    p = PredictivePolicy()
+    for s in v.parked:
+        remaining = p.remaining_s(s, v.now_s)
+        for threshold in (p.keep_threshold_s(s, v.costs), p.lead_s(s, v.costs)):
+            if abs(remaining - threshold) < 1e-6 * max(1.0, threshold):
+                return True
+    return False
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(v=_views(), later=st.lists(st.floats(0.0, 80.0), min_size=1, max_size=4))
+def test_predictive_decides_as_its_plain_reference(v: ResidencyView, later: list[float]) -> None:
+    """`PredictivePolicy.decide` (incremental index, lazily deleted heaps) returns what the plain
+    `reference_decide` computes from the view alone, over views whose clock moves on."""
+    from sessionserve.core.predictive import reference_decide
+
+    policy = make_policy("predictive")
+    for w in (v, *(v._replace(now_s=v.now_s + dt) for dt in sorted(later))):
+        if not _near_a_threshold(w):
+            assert policy.decide(w) == reference_decide(policy, w)
