@@ -4,7 +4,8 @@ The baselines (`--baselines`): Ray Serve's default (`pow2`, power of two
 choices on requests in flight), a sticky-session balancer (`sticky`,
 consistent hashing on the session id) and a prefix-aware router (`prefix`,
 the longest cached prefix, ties to the least loaded, as vLLM's production
-stack and llm-d route). Starts a local Ray cluster and, one router at a
+stack routes) and a prefix-and-load router (`prefix-load`: blocks to prefill
+weighed against requests in flight, as llm-d scores). Starts a local Ray cluster and, one router at a
 time, a Serve app of an ingress and N engine replicas of the same model and
 settings behind that router; replays the same agent trace over HTTP
 (`sessionserve bench --backend http`'s driver: streamed /v1/completions with
@@ -51,7 +52,8 @@ def main() -> None:
     p.add_argument("--simulate", metavar="PROFILE", default=None,
                    help="run on the simulator with this cost profile (JSON or built-in name) instead of Ray")
     p.add_argument("--repeats", type=int, default=1, help="with --simulate: runs, seeds seed..seed+repeats-1")
-    p.add_argument("--baselines", default="pow2,sticky,prefix", help=f"comma list of {', '.join(BASELINES)}")
+    p.add_argument("--baselines", default="pow2,sticky,prefix,prefix-load",
+                   help=f"comma list of {', '.join(BASELINES)}")
     args = p.parse_args()
     args.routers = [b.strip() for b in args.baselines.split(",") if b.strip()]
     if not args.routers or set(args.routers) - set(BASELINES):
@@ -109,10 +111,11 @@ def main() -> None:
     summarize_runs(trace, runs, meta, out, cpu)
 
 
-BASELINES = ("pow2", "sticky", "prefix")
+BASELINES = ("pow2", "sticky", "prefix", "prefix-load")
 LABELS = {"pow2": "ray_default_router", "sticky": "sticky_session_router", "prefix": "prefix_aware_router",
-          "session_kv": "session_kv_router"}
-SIM_NAMES = {"pow2": "p2c", "sticky": "sticky", "prefix": "prefix", "session_kv": "session"}
+          "prefix-load": "prefix_load_router", "session_kv": "session_kv_router"}
+SIM_NAMES = {"pow2": "p2c", "sticky": "sticky", "prefix": "prefix", "prefix-load": "prefix-load",
+             "session_kv": "session"}
 
 
 def replicas_cpu_s(app: str) -> float:

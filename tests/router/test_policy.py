@@ -178,3 +178,16 @@ def test_prefix_router_takes_the_longest_match_then_the_least_loaded() -> None:
     assert longest_prefix_replica(fresh, loads(5, 2), state).replica_id == "r1"
     assert decide("prefix", fresh, loads(5, 2), state, CFG) == longest_prefix_replica(fresh, loads(5, 2), state)
     assert decide("session_kv", fresh, loads(0, 0), state, CFG) == choose_replica(fresh, loads(0, 0), state, CFG)
+
+
+def test_prefix_load_router_weighs_the_prefix_against_the_queue() -> None:
+    from sessionserve.router.policy import decide
+
+    state = RouterState.create(CFG)
+    long = RouteKey(block_hashes=hashes(list(range(16))))  # 4 blocks of 4
+    apply(state, long, "r1")
+    follow = RouteKey(session_key="x", block_hashes=hashes(list(range(20))))  # 5 blocks, 4 cached on r1
+    assert decide("prefix-load", follow, loads(0, 0), state, CFG).replica_id == "r1"
+    # r1 busier by 2 requests (4 blocks each, CFG) costs more than the 4 blocks r0 would prefill
+    assert decide("prefix-load", follow, loads(0, 2), state, CFG).replica_id == "r0"
+    assert decide("prefix", follow, loads(0, 2), state, CFG).replica_id == "r1"

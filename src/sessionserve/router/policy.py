@@ -17,12 +17,14 @@ Order of preference, after Dynamo's KV router and Ray's prefix-affinity router:
 A session also leaves a home that is merely busier (not overloaded) when the
 queue gap, priced the same way, exceeds what it would recompute elsewhere.
 
-Two baselines a practitioner would deploy live here too, so every router is
+The baselines a practitioner would deploy live here too, so every router is
 measured on the same code path: `sticky_replica` (consistent hashing of the
-session id over the replicas, as a sticky-session load balancer does) and
+session id over the replicas, as a sticky-session load balancer does),
 `longest_prefix_replica` (the replica believed to cache the longest prefix of
-the prompt, ties to the least loaded, as vLLM's production-stack router and
-llm-d route; no session notion).
+the prompt, ties to the least loaded, as vLLM's production-stack router does)
+and `prefix_load_replica` (blocks to prefill weighed against requests in
+flight, as llm-d's prefix and queue scorers do: step 3 above without
+sessions). None of them knows sessions or parked KV.
 
 The policy imports no Ray, no HTTP and no clock; `PrefixIndex` is the
 router's own record of which block hashes it sent where (an approximation of
@@ -213,7 +215,7 @@ def _choose_fresh(key: RouteKey, ranked: list[ReplicaLoad], state: RouterState,
     return RouteDecision(best.replica_id, RouteReason.LEAST_LOADED, best_n)
 
 
-BASELINES = ("sticky", "prefix")
+BASELINES = ("sticky", "prefix", "prefix-load")
 
 
 def sticky_replica(key: RouteKey, replicas: Sequence[ReplicaLoad]) -> RouteDecision | None:
@@ -244,6 +246,16 @@ def longest_prefix_replica(key: RouteKey, replicas: Sequence[ReplicaLoad],
     return RouteDecision(best.replica_id, RouteReason.PREFIX if n else RouteReason.LEAST_LOADED, n)
 
 
+def prefix_load_replica(key: RouteKey, replicas: Sequence[ReplicaLoad], state: RouterState,
+                        config: PolicyConfig) -> RouteDecision | None:
+    """The lowest cost = blocks the replica would prefill + `queue_cost_blocks` x its requests in flight,
+    among replicas not overloaded (as `choose_replica` picks for a request without a home)."""
+    if not replicas:
+        return None
+    ranked = sorted(replicas, key=lambda r: (load_score(r, config), r.replica_id))
+    return _choose_fresh(key, ranked, state, config)
+
+
 def decide(mode: str, key: RouteKey, replicas: Sequence[ReplicaLoad], state: RouterState,
            config: PolicyConfig) -> RouteDecision | None:
     """The decision of router `mode`: "session_kv" (ours, `choose_replica`) or a baseline."""
@@ -251,6 +263,8 @@ def decide(mode: str, key: RouteKey, replicas: Sequence[ReplicaLoad], state: Rou
         return sticky_replica(key, replicas)
     if mode == "prefix":
         return longest_prefix_replica(key, replicas, state)
+    if mode == "prefix-load":
+        return prefix_load_replica(key, replicas, state, config)
     if mode == "session_kv":
         return choose_replica(key, replicas, state, config)
     raise ValueError(f"unknown router {mode!r}; choose from session_kv, {', '.join(BASELINES)}")

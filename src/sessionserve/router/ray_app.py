@@ -7,9 +7,9 @@
 `app_builder(args)` is the same for `serve run` / a Serve config file
 (`import_path: sessionserve.router.ray_app:app_builder`, `args: {replicas: 2}`).
 `router="pow2"` deploys the same thing behind Ray Serve's default router;
-`"sticky"` (consistent hashing on the session id) and `"prefix"` (longest
-cached prefix) behind the baselines of `router.policy`: what our router is
-measured against.
+`"sticky"` (consistent hashing on the session id), `"prefix"` (longest
+cached prefix) and `"prefix-load"` (cached prefix weighed against load)
+behind the baselines of `router.policy`: what our router is measured against.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 ENGINE_DEPLOYMENT = "Engine"
-ROUTERS = ("session_kv", "pow2", "sticky", "prefix")
+ROUTERS = ("session_kv", "pow2", "sticky", "prefix", "prefix-load")
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class ServeOptions:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # Config.from_kwargs(...) of each replica
     api_keys: tuple[tuple[str, str], ...] = ()  # (key, tenant); empty: open
     store_url: str | None = None  # None: an SQLite file in the temp dir (shared by the replicas of this machine)
-    # "session_kv" (ours), "pow2" (Ray Serve's default), or a baseline: "sticky" (consistent hashing on the
-    # session id), "prefix" (longest cached prefix)
+    # "session_kv" (ours), "pow2" (Ray Serve's default), or a baseline of router.policy: "sticky" (consistent
+    # hashing on the session id), "prefix" (longest cached prefix), "prefix-load" (prefix weighed against load)
     router: str = "session_kv"
     router_kwargs: dict[str, Any] = field(default_factory=dict)  # PolicyConfig fields
     max_ongoing_requests: int = 64  # per replica; past it Serve queues at the router

@@ -17,8 +17,9 @@ idle TTL, and may get the session back.
 Routers: `session` is our routing policy (`router.policy.choose_replica`, the
 code the Ray Serve router runs); `p2c` is Ray Serve's default, power of two
 choices (two random replicas, the one with fewer requests in flight);
-`sticky` (consistent hashing on the session id) and `prefix` (longest cached
-prefix, ties to the least loaded) are `router.policy`'s baselines.
+`sticky` (consistent hashing on the session id), `prefix` (longest cached
+prefix, ties to the least loaded) and `prefix-load` (cached prefix weighed
+against requests in flight) are `router.policy`'s baselines.
 
 The result is one `ReplayResult` for the fleet; workload metrics and reports
 apply unchanged. Closed or open loop as the bench; sub-agents are not
@@ -58,7 +59,7 @@ class Router:
 
 class SessionRouter(Router):
     """A policy of `router.policy`, as the Ray Serve router runs it: ours ("session_kv": affinity, cached
-    prefix, load) or a baseline ("sticky", "prefix")."""
+    prefix, load) or a baseline ("sticky", "prefix", "prefix-load")."""
 
     def __init__(self, config: rp.PolicyConfig | None = None, mode: str = "session_kv") -> None:
         self.config = config or rp.PolicyConfig()
