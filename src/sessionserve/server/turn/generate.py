@@ -31,8 +31,10 @@ if TYPE_CHECKING:
     from sessionserve.server.app import ModelSlot, ServerState
     from sessionserve.server.turn.types import TurnRequest
 
-# How long a turn waits for its session's KV to finish moving between tiers before a 409.
-MOVE_WAIT_S = 10.0
+# How long a turn waits for its session's KV to finish moving between tiers. A move ends (done, or failed
+# and the session recomputes) in well under this even behind a queue of disk writes; a turn waits for it
+# rather than failing, and only a tier that stopped answering makes it a 409.
+MOVE_WAIT_S = 120.0
 # How long a request's grammar (response format, forced tool calls) may take to compile before a 400.
 GRAMMAR_TIMEOUT_S = 5.0
 
