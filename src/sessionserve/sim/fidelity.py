@@ -17,7 +17,8 @@ from sessionserve.workload.replay import LoadSpec
 from sessionserve.workload.sweep import Runs
 from sessionserve.workload.trace import TraceSet
 
-FIDELITY_KEYS = ("jct_p50_s", "jct_p99_s", "sessions_per_hour", "ttft_p50_s", "tpot_p50_s", "makespan_s")
+FIDELITY_KEYS = ("jct_p50_s", "jct_p99_s", "sessions_per_hour", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+                 "makespan_s")
 
 
 def compare_runs(real: Runs, sim: Runs, keys: Sequence[str] = FIDELITY_KEYS) -> list[dict[str, Any]]:
