@@ -263,8 +263,6 @@ class PredictivePolicy:
         for _, neg_remaining, _, s, is_long in sorted(candidates):
             if s.num_freed_blocks <= 0 and need <= 0:
                 continue
-            remaining = -neg_remaining
-            host_rt = 2 * c.host_s_per_block * s.num_blocks
             if need <= 0 and not is_long:
                 continue  # (not break: the threshold grows with the session's size)
             if need <= 0:
@@ -272,19 +270,10 @@ class PredictivePolicy:
                     actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
                     host_free -= s.num_blocks
                 continue
-            recompute_s = c.recompute_s_per_token * s.num_tokens
-            if host_free >= s.num_blocks and s.num_blocks <= max(1, self.host_share * host_free) \
-                    and host_rt < remaining:
-                actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
-                host_free -= s.num_blocks
-            elif disk_free >= s.num_blocks and 2 * c.disk_s_per_block * s.num_blocks < 4 * recompute_s:
-                actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.DISK))
-                disk_free -= s.num_blocks
-            elif host_free >= s.num_blocks:
-                actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
-                host_free -= s.num_blocks
-            else:
-                actions.append(ResidencyAction(ActionKind.DROP, s.session_id))
+            action = self.leave(s, -neg_remaining, host_free, disk_free, c)
+            actions.append(action)
+            host_free -= s.num_blocks if action.tier is Tier.HOST else 0
+            disk_free -= s.num_blocks if action.tier is Tier.DISK else 0
             need -= s.num_freed_blocks
 
         # Prefetch: soonest predicted resume first, into room above the watermark.
@@ -298,6 +287,21 @@ class PredictivePolicy:
                 actions.append(ResidencyAction(ActionKind.PREFETCH, s.session_id))
                 room -= s.num_blocks
         return tuple(actions)
+
+    def leave(self, s: ParkedSession, remaining_s: float, host_free: int, disk_free: int,
+              c: MoveCosts) -> ResidencyAction:
+        """Where a session leaving the device under pressure goes: the host when it has room (and the session
+        is not most of it) and the round trip beats the expected wait; else disk when a restore beats
+        recomputing it; else the host if it fits at all; else it is dropped."""
+        if host_free >= s.num_blocks and s.num_blocks <= max(1, self.host_share * host_free) \
+                and 2 * c.host_s_per_block * s.num_blocks < remaining_s:
+            return ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST)
+        if disk_free >= s.num_blocks and \
+                2 * c.disk_s_per_block * s.num_blocks < 4 * c.recompute_s_per_token * s.num_tokens:
+            return ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.DISK)
+        if host_free >= s.num_blocks:
+            return ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST)
+        return ResidencyAction(ActionKind.DROP, s.session_id)
 
     def _demotes(self, view: ResidencyView) -> bool:
         """Whether long waits leave the device without pressure: it is more than `demote_above_usage` used."""
@@ -361,20 +365,10 @@ def reference_decide(policy: PredictivePolicy, view: ResidencyView) -> tuple[Res
                 actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
                 host_free -= s.num_blocks
             continue
-        remaining = policy.remaining_s(s, now)
-        if host_free >= s.num_blocks and s.num_blocks <= max(1, policy.host_share * host_free) \
-                and 2 * c.host_s_per_block * s.num_blocks < remaining:
-            actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
-            host_free -= s.num_blocks
-        elif disk_free >= s.num_blocks and \
-                2 * c.disk_s_per_block * s.num_blocks < 4 * c.recompute_s_per_token * s.num_tokens:
-            actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.DISK))
-            disk_free -= s.num_blocks
-        elif host_free >= s.num_blocks:
-            actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
-            host_free -= s.num_blocks
-        else:
-            actions.append(ResidencyAction(ActionKind.DROP, s.session_id))
+        action = policy.leave(s, policy.remaining_s(s, now), host_free, disk_free, c)
+        actions.append(action)
+        host_free -= s.num_blocks if action.tier is Tier.HOST else 0
+        disk_free -= s.num_blocks if action.tier is Tier.DISK else 0
         need -= s.num_freed_blocks
     room = view.num_free_device_blocks - reserve - pressure(view)
     off_device = [(i, s) for i, s in enumerate(view.parked) if s.residency in (Residency.HOST, Residency.DISK)]
