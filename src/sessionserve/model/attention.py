@@ -32,6 +32,7 @@ Paths, chosen per sequence:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,40 @@ GEMM_GATHER_MIN_ROWS = 8
 # shorter ones the tile kernel or the paged one. 2 threads, 12/4 heads of 64, bf16, against the tile kernel:
 # 256 rows over 2,048 tokens 3.7 ms vs 11.1, 8 x 32 rows over 1,024 5.1 vs 7.9, 16 x 16 over 512 5.6 vs 4.9.
 SPLIT_MIN_ROWS = 32
+
+
+class AttentionPath(Enum):
+    """Which attention code computes a chunk's rows."""
+
+    FRESH = "fresh"  # a chunk at position 0: its own keys only (our GEMMs or SDPA), grouped by length
+    FRESH_TILES = "fresh_tiles"  # ... on the bf16 tile kernel
+    CONTEXT_SPLIT = "context_split"  # after cached tokens: two flash-attention calls merged (AMX)
+    CONTEXT_TILES = "context_tiles"  # ... the tile kernel reading keys through the block table
+    CONTEXT_GATHER = "context_gather"  # ... the context gathered, then our GEMMs or SDPA
+    PAGED = "paged"  # the paged kernel (or its torch fallback): decode and short context chunks
+
+
+@dataclass(frozen=True)
+class AttentionCaps:
+    """What this runner's attention can use (from the device, dtype and CPU features, fixed at load)."""
+
+    tiles: bool = False  # the bf16 tile kernel loaded (AVX512-BF16)
+    amx: bool = False  # PyTorch's CPU flash attention on AMX takes bf16 prefills
+    paged_kernel: bool = False  # our paged-attention kernel loaded
+    gather_min_rows: int = GATHER_MIN_ROWS  # context chunks this long gather their context
+
+
+def attention_path(start: int, num_rows: int, caps: AttentionCaps) -> AttentionPath:
+    """The path of a chunk of `num_rows` query rows starting at position `start`. Pure."""
+    if start == 0:
+        return AttentionPath.FRESH_TILES if caps.tiles and not caps.amx else AttentionPath.FRESH
+    if caps.amx and num_rows >= SPLIT_MIN_ROWS:
+        return AttentionPath.CONTEXT_SPLIT
+    if caps.tiles and num_rows >= TILE_MIN_ROWS:
+        return AttentionPath.CONTEXT_TILES
+    if caps.paged_kernel and num_rows >= caps.gather_min_rows:
+        return AttentionPath.CONTEXT_GATHER
+    return AttentionPath.PAGED
 
 
 @dataclass(slots=True)

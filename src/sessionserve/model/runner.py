@@ -11,10 +11,11 @@ import torch
 from sessionserve.config import CacheConfig, ModelConfig
 from sessionserve.model import paged_kernel, tile_attention
 from sessionserve.model.attention import (
-    SPLIT_MIN_ROWS,
-    TILE_MIN_ROWS,
+    AttentionCaps,
     AttentionMetadata,
+    AttentionPath,
     TileBatchBuilder,
+    attention_path,
     context_mask,
     gather_min_rows,
     mask_bias,
@@ -117,6 +118,11 @@ class ModelRunner:
                     "flash (AMX)" if self.amx_attention else "tiles" if self.use_tiles
                     else "ours (GEMM)" if self.gemm_attention else "SDPA", "on" if self.packed else "off")
 
+    @property
+    def attention_caps(self) -> AttentionCaps:
+        return AttentionCaps(tiles=self.use_tiles, amx=self.amx_attention, paged_kernel=self.use_kernel,
+                             gather_min_rows=self.gather_min_rows)
+
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
         for per_request in (self._generators, self._prompt_ids, self._constraints):
@@ -201,7 +207,7 @@ class ModelRunner:
     def prepare_batch(self, plan: SchedulerOutput) -> tuple[
             torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
         """Flatten the plan's chunks into model inputs and attention metadata."""
-        bs = self.block_size
+        bs, caps = self.block_size, self.attention_caps
         input_ids: list[int] = []
         positions: list[int] = []
         slot_block: list[int] = []
@@ -236,16 +242,17 @@ class ModelRunner:
             positions.extend(pos)
             slot_block.extend(table[p // bs] for p in pos)
             slot_offset.extend(p % bs for p in pos)
-            if start == 0 and self.use_tiles and not self.amx_attention:
+            path = attention_path(start, n, caps)
+            if path is AttentionPath.FRESH_TILES:
                 tile_fresh.add(row0, n, 0)
-            elif start == 0:
+            elif path is AttentionPath.FRESH:
                 fresh.setdefault(n, []).append(row0)
-            elif self.amx_attention and n >= SPLIT_MIN_ROWS:
+            elif path is AttentionPath.CONTEXT_SPLIT:
                 prefix = torch.tensor(table[: -(-start // bs)], dtype=torch.long, device=self.device)
                 ctx_split.append((row0, n, prefix, start))
-            elif self.use_tiles and n >= TILE_MIN_ROWS:
+            elif path is AttentionPath.CONTEXT_TILES:
                 tile_ctx.add(row0, n, start, table[: -(-end // bs)])
-            elif n >= self.gather_min_rows and self.use_kernel:
+            elif path is AttentionPath.CONTEXT_GATHER:
                 blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)
                 bias = None
                 if not self.gemm_attention:  # SDPA's mask, once for every layer
