@@ -68,7 +68,7 @@ _SCRUBBED_PREFIXES = ("OPENAI_", "ANTHROPIC_", "CLAUDE_", "CODEX_")
 
 def ensure_model(cache_dir: Path = OUT_DIR / "models", eos_scale: float = 3.0) -> Path:
     """The tiny Llama embedded model with a 64k context, its `<|im_end|>` logit row scaled; built if missing."""
-    from sessionserve.model import make_model as mm
+    from sessionserve.modelgen import make_model as mm
 
     out = cache_dir / f"tiny-ctx{CONTEXT_LEN}-eos{eos_scale:g}"
     if (out / "config.json").is_file():

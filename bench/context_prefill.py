@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from sessionserve import LLMEngine, SamplingParams
 from sessionserve.config import Config
-from sessionserve.model.make_model import ensure_model
+from sessionserve.modelgen.make_model import ensure_model
 
 
 def first_token_s(eng: LLMEngine, ids: list[int]) -> float:

@@ -462,7 +462,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_model(a: argparse.Namespace) -> Path:
-    from sessionserve.model import make_model as mm
+    from sessionserve.modelgen import make_model as mm
 
     if a.model == "llama-small":
         return mm.ensure_model("llama", "small")

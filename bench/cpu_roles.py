@@ -45,7 +45,7 @@ def run_layout(a: argparse.Namespace) -> dict[str, Any]:
     from sessionserve.agent.retry import RetryBudget
     from sessionserve.agent.tools import ToolRegistry
     from sessionserve.config import Config
-    from sessionserve.model.make_model import ensure_model
+    from sessionserve.modelgen.make_model import ensure_model
     from sessionserve.obs.cpu_roles import ENGINE, RoleMeter, parse_cpus, pin_current_thread
 
     roles = a.layout == "roles"

@@ -61,7 +61,7 @@ def main() -> None:
     from ray import serve
 
     from sessionserve.cli_bench import _machine
-    from sessionserve.model.make_model import ensure_model
+    from sessionserve.modelgen.make_model import ensure_model
     from sessionserve.router.ray_app import ServeOptions, build_app
     from sessionserve.router.store import SQLiteStore
     from sessionserve.workload.http_backend import HttpBackend

@@ -32,7 +32,7 @@ from sessionserve.model.decoder import DecoderModel
 from sessionserve.model.hf_config import load_arch
 from sessionserve.model.loader import load_weights
 from sessionserve.model.layers import SiluGateUp
-from sessionserve.model.make_model import ensure_model
+from sessionserve.modelgen.make_model import ensure_model
 from sessionserve.model.packed_linear import pack_linears, packing_supported
 
 

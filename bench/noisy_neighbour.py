@@ -307,7 +307,7 @@ def main() -> None:
     import tempfile
 
     from sessionserve.config import ServerConfig
-    from sessionserve.model import make_model as mm
+    from sessionserve.modelgen import make_model as mm
     from tests.reliability.conftest import close_all_sessions, kv_state, live_server, wait_idle
 
     model = mm.ensure_model("llama", "tiny", ROOT / "bench" / "out" / "models")

@@ -153,7 +153,7 @@ def main() -> None:
         runs.append((policy, float(rate)))
 
     if a.max_context is None:
-        from sessionserve.model.make_model import model_config
+        from sessionserve.modelgen.make_model import model_config
 
         cfg = model_config("llama", a.model_size, 0, 0)
         head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -171,7 +171,7 @@ def main() -> None:
 
         profile = load_profile(a.simulate)
     else:
-        from sessionserve.model.make_model import ensure_model
+        from sessionserve.modelgen.make_model import ensure_model
         from sessionserve.workload.sweep import warm_up
 
         model_dir = ensure_model("llama", a.model_size)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from sessionserve.config import Config
 from sessionserve.llm_engine import LLMEngine
-from sessionserve.model.make_model import ensure_model
+from sessionserve.modelgen.make_model import ensure_model
 from sessionserve.workload.inproc import InprocBackend
 from sessionserve.workload.loader import load_trace
 from sessionserve.workload.metrics import percentile

@@ -261,7 +261,7 @@ def main() -> None:
 
     from sessionserve import LLMEngine
     from sessionserve.config import Config
-    from sessionserve.model import make_model as mm
+    from sessionserve.modelgen import make_model as mm
     from sessionserve.server.app import create_app
     from sessionserve.server.auth import Auth
 

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from sessionserve import LLM, SamplingParams
-from sessionserve.model.tokenizer_train import default_cache_dir
+from sessionserve.modelgen.tokenizer_train import default_cache_dir
 from sessionserve.obs.machine import cpu_model_name
 
 MODELS = default_cache_dir()

@@ -602,7 +602,7 @@ def machine_info() -> dict[str, Any]:
 
 def run_parent(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
     if a.model is None:
-        from sessionserve.model.make_model import ensure_model
+        from sessionserve.modelgen.make_model import ensure_model
 
         a.model = str(ensure_model("llama", "small"))
     a.model = str(Path(a.model).resolve())
@@ -725,14 +725,14 @@ def make_random_model(out_dir: str | Path, shape: str, device: str = "cpu", dtyp
 
     Weights are drawn on `device` (a GPU fills 8B parameters in seconds; the
     CPU path of make_model would take minutes) with the same scaling rules as
-    sessionserve.model.make_model.init_weights, so greedy decoding is not
+    sessionserve.modelgen.make_model.init_weights, so greedy decoding is not
     degenerate. The tokenizer and generation config are copied from our tiny
     model, built locally with no network.
     """
     import torch
     from safetensors.torch import save_file
 
-    from sessionserve.model.make_model import ensure_model, model_config, weight_shapes
+    from sessionserve.modelgen.make_model import ensure_model, model_config, weight_shapes
 
     out = Path(out_dir).absolute()
     marker = out / "model.safetensors.index.json"

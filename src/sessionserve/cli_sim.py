@@ -45,7 +45,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> Path:
-    from sessionserve.model.make_model import ensure_model
+    from sessionserve.modelgen.make_model import ensure_model
     from sessionserve.sim.calibrate import Grid, calibrate
 
     model_dir = Path(args.model) if args.model else ensure_model("llama", args.model_size)
@@ -128,7 +128,7 @@ def run_simulate(args: argparse.Namespace) -> Path:
 def _vs_real(args: argparse.Namespace, trace: Any, policies: list[str], loads: list[Any], kwargs: dict[str, Any],
              profile: Any, sim_runs: Any, out: Path) -> None:
     """Real runs of the same workload; the simulation with `profile` and with step costs fitted online."""
-    from sessionserve.model.make_model import ensure_model
+    from sessionserve.modelgen.make_model import ensure_model
     from sessionserve.sim.fidelity import compare_runs, render_table, run_fidelity_online
 
     model_dir = Path(args.model) if args.model else ensure_model("llama", args.model_size)

@@ -14,7 +14,7 @@ def resolve_model_path(model: str | None) -> str:
     """A model folder path; None means the embedded default, created on first use."""
     if model is not None:
         return model
-    from sessionserve.model.make_model import ensure_model
+    from sessionserve.modelgen.make_model import ensure_model
 
     return str(ensure_model())
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sessionserve.model import make_model as mm
+from sessionserve.modelgen import make_model as mm
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sessionserve.model import make_model as mm
+from sessionserve.modelgen import make_model as mm
 from sessionserve.workload.plots import PLOT_FILES
 from sessionserve.workload.replay import LoadSpec
 from sessionserve.workload.report import write_report

@@ -8,7 +8,7 @@ import pytest
 
 from sessionserve import LLMEngine
 from sessionserve.config import Config
-from sessionserve.model import make_model as mm
+from sessionserve.modelgen import make_model as mm
 from sessionserve.server.app import create_app
 from sessionserve.workload.http_backend import HttpBackend
 from sessionserve.workload.replay import LoadSpec

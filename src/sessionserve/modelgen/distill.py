@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from sessionserve.model.train import (
+from sessionserve.modelgen.train import (
     Corpus,
     TrainConfig,
     TrainingRun,

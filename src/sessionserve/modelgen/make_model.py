@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from sessionserve.model.tokenizer_train import (
+from sessionserve.modelgen.tokenizer_train import (
     SPECIAL_TOKENS_MAP,
     VOCAB_SIZE,
     default_cache_dir,
@@ -195,7 +195,7 @@ def init_weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, torch.T
 
 def read_chat_template() -> str:
     """The packaged ChatML/tool-calling template (chat_template.jinja)."""
-    return resources.files("sessionserve.model").joinpath("chat_template.jinja").read_text(encoding="utf-8")
+    return resources.files("sessionserve.modelgen").joinpath("chat_template.jinja").read_text(encoding="utf-8")
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -377,8 +377,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _train_main(args: argparse.Namespace) -> None:
-    from sessionserve.model import train as tr
-    from sessionserve.model.distill import distill_model
+    from sessionserve.modelgen import train as tr
+    from sessionserve.modelgen.distill import distill_model
 
     cfg = tr.TrainConfig(
         num_steps=args.train_steps if args.train_steps is not None else tr.DEFAULT_NUM_STEPS,

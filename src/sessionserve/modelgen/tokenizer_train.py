@@ -232,7 +232,7 @@ def ensure_tokenizer(cache_dir: Path | None = None) -> Path:
 
 
 def main() -> None:
-    """Time a training run (``python -m sessionserve.model.tokenizer_train``)."""
+    """Time a training run (``python -m sessionserve.modelgen.tokenizer_train``)."""
     start = time.perf_counter()
     files = corpus_files()
     tok = train_tokenizer(files=files)

@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from sessionserve.model.make_model import shape_config, special_token_ids, weight_shapes, write_model_folder
-from sessionserve.model.tokenizer_train import corpus_files, default_cache_dir, ensure_tokenizer
+from sessionserve.modelgen.make_model import shape_config, special_token_ids, weight_shapes, write_model_folder
+from sessionserve.modelgen.tokenizer_train import corpus_files, default_cache_dir, ensure_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -400,7 +400,7 @@ def train_pair(
     target = train_model(target_dir, target_shape, train, arch=arch, role="target", cache_dir=cache_dir,
                          corpus=corpus)
     if distill:
-        from sessionserve.model.distill import distill_model  # it builds on this module
+        from sessionserve.modelgen.distill import distill_model  # it builds on this module
 
         draft = distill_model(draft_dir, target.path, draft_shape, train, arch=arch, cache_dir=cache_dir,
                               corpus=corpus)

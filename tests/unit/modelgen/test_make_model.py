@@ -16,8 +16,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from sessionserve.model import make_model as mm
-from sessionserve.model import tokenizer_train as tt
+from sessionserve.modelgen import make_model as mm
+from sessionserve.modelgen import tokenizer_train as tt
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sessionserve.model import distill as ds
-from sessionserve.model import make_model as mm
-from sessionserve.model import train as tr
+from sessionserve.modelgen import distill as ds
+from sessionserve.modelgen import make_model as mm
+from sessionserve.modelgen import train as tr
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,7 +20,7 @@ import pytest
 from jinja2.exceptions import TemplateError
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from sessionserve.model.make_model import read_chat_template
+from sessionserve.modelgen.make_model import read_chat_template
 from sessionserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from sessionserve.server.turn.tool_calls import tool_call_stream
 from sessionserve.types.guided import ToolFormat, tool_format_of
