@@ -89,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             disk_kv_bytes=args.disk_kv_bytes, spool_dir=spool_dir, kv_store_dir=args.kv_store_dir,
             kv_store_bytes=args.kv_store_bytes, host_prefix_cache_bytes=args.host_prefix_cache_bytes,
             admission=args.admission, admission_fill=args.admission_fill,
-            **_spec_kwargs(args)))
+            admission_when_full=args.admission_when_full, **_spec_kwargs(args)))
 
     specs = model_specs(args.model)
     names = args.served_model_name or []
@@ -189,6 +189,10 @@ def main(argv: list[str] | None = None) -> None:
                             "past the knee); off (default): every request runs as it comes")
     serve.add_argument("--admission-fill", type=float, default=1.2,
                        help="share of the device KV the admitted sessions' contexts may fill")
+    serve.add_argument("--admission-when-full", choices=("hold", "reject"), default="hold",
+                       help="a new session's turn that must wait at the door: hold its request open until it is "
+                            "let in (default), or reject it at once with 429 and Retry-After (when an admitted "
+                            "session is expected to leave)")
     serve.add_argument("--host-kv-bytes", type=int, default=0,
                        help="host-memory KV tier for parked sessions (default 0: off; on a CPU it is the same "
                             "RAM as the device tier)")
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "make-model":
-        from sessionserve.model.make_model import main as make_model_main
+        from sessionserve.modelgen.make_model import main as make_model_main
 
         make_model_main(argv[1:])
         return

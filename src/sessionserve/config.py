@@ -88,6 +88,10 @@ class SchedulerConfig:
     # A parked admitted session stops counting after max(this, 3 x its expected wait) idle: agents come back
     # within seconds of a tool call, and one that finished rarely says so.
     admission_hold_s: float = 5.0
+    # A new session's turn that must wait at the door: "hold" it until it is let in (its request stays
+    # open), or "reject" it at once (HTTP 429 with Retry-After: when an admitted session is expected to
+    # leave), for clients that would rather retry or go elsewhere.
+    admission_when_full: str = "hold"
     # While interactive turns run, background prefill gets at most this many tokens per step, so
     # interactive turns stream at decode pace (see core/priority.py). None: 1/16 of
     # max_num_batched_tokens (at least 1); 0: no limit.
@@ -112,6 +116,8 @@ class SchedulerConfig:
             raise ValueError(f"background_prefill_tokens must be >= 0, got {self.background_prefill_tokens}")
         if self.admission not in ("off", "working-set"):
             raise ValueError(f"admission must be off or working-set, got {self.admission!r}")
+        if self.admission_when_full not in ("hold", "reject"):
+            raise ValueError(f"admission_when_full must be hold or reject, got {self.admission_when_full!r}")
         if not 0 < self.admission_fill <= 4:
             raise ValueError(f"admission_fill must be in (0, 4], got {self.admission_fill}")
 

@@ -76,3 +76,40 @@ def test_a_returning_turn_of_an_admitted_session_does_not_wait(tiny_llama: Path)
     eng.add_request([5, 6, 7], GREEDY, session_id=sid)
     assert eng.core.door.num_held_total == 1 and not eng.core.door.held
     assert first
+
+
+def test_reject_mode_refuses_new_sessions_past_the_working_set_with_a_retry_time(tiny_llama: Path) -> None:
+    from sessionserve.core.admission import AdmissionFull
+
+    eng = LLMEngine(Config.from_kwargs(num_blocks=64, block_size=16, max_num_seqs=8, residency_policy="keep",
+                                       host_kv_bytes=0, disk_kv_bytes=0, admission="working-set",
+                                       admission_fill=1.0, admission_hold_s=0.2, admission_when_full="reject"),
+                    tiny_llama)
+    sids = [eng.open_session() for _ in range(6)]
+    firsts = prompts(1, 6, 300)  # ~20 blocks each: three fit in 64
+    admitted, refused = [], []
+    for sid, p in zip(sids, firsts):
+        try:
+            admitted.append(eng.add_request(p, GREEDY, session_id=sid))
+        except AdmissionFull as exc:
+            assert 1.0 <= exc.retry_after_s <= 180.0  # until an admitted session stops counting
+            refused.append(sid)
+        for _ in range(3):
+            eng.step()  # held turns are let in at the next step
+    assert 1 <= len(admitted) <= 3 and refused
+    assert not eng.core.door.held and eng.core.door.num_rejected == len(refused)
+    while eng.has_unfinished():
+        eng.step()
+    # a refused session is untouched: its turn is accepted later, once the admitted ones have left
+    for sid in sids:
+        if sid not in refused:
+            eng.close_session(sid)
+    rid = eng.add_request(firsts[sids.index(refused[0])], GREEDY, session_id=refused[0])
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.get_session(refused[0]) is not None and rid
+    for sid in refused:
+        eng.close_session(sid)
+    eng.kv.check_integrity()
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+    eng.close()

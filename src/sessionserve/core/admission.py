@@ -27,6 +27,14 @@ if TYPE_CHECKING:
     from sessionserve.types.sequence import Sequence
 
 
+class AdmissionFull(Exception):
+    """A new session's turn refused at the door (`admission_when_full="reject"`): retry after `retry_after_s`."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"the server is at its working set of agent sessions; retry in {retry_after_s:.0f} s")
+        self.retry_after_s = retry_after_s
+
+
 class Member(NamedTuple):
     """A session the policy admitted earlier (or a running request without a session)."""
 
@@ -104,6 +112,7 @@ class AdmissionDoor:
         self.held: list[HeldTurn] = []
         self.admitted: dict[str, int] = {}  # admitted session id -> the most blocks its context reached
         self.num_held_total = 0  # turns that waited at the door, since start
+        self.num_rejected = 0  # new sessions' turns refused at the door (admission_when_full="reject")
         # EMA of the context sessions reached when they left the working set (0: none left yet).
         self.typical_blocks = 0.0
 
@@ -140,25 +149,50 @@ class AdmissionDoor:
             self.held = [h for h in self.held if h.seq is not seq]
         return found
 
-    def release(self, now_s: float, running: list[Sequence], sessions: SessionManager | None,
-                order: Callable[[Sequence], object]) -> list[HeldTurn]:
-        """The held turns the policy lets in now, in the scheduler's `order`; the engine starts them."""
-        if not self.held:
-            return []
+    def _members(self, now_s: float, running: list[Sequence], sessions: SessionManager | None) -> list[Member]:
+        """The active admitted sessions (those that left are forgotten here) and the running requests without
+        a session."""
         members: list[Member] = []
+        # A session's history grows when its turn ends: while one runs, its sequence holds the context.
+        in_turn = {s.session_id: s.num_tokens for s in running if s.session_id is not None}
         for sid, peak in list(self.admitted.items()):
             session = sessions.get(sid) if sessions is not None else None
             if session is None:  # closed or expired
                 self._left(self.admitted.pop(sid))
                 continue
             m = self.member(session, now_s, sessions)
+            if sid in in_turn:
+                m = m._replace(num_blocks=max(m.num_blocks, self._blocks(in_turn[sid])))
             if not self.policy.is_active(m):  # idle past its wait: it left (its next turn is a new arrival)
                 self._left(self.admitted.pop(sid))
                 continue
             self.admitted[sid] = max(peak, m.num_blocks)
             members.append(m)
-        members += [Member(s.request_id, self._blocks(s.num_tokens), None, None)
-                    for s in running if s.session_id is None]
+        return members + [Member(s.request_id, self._blocks(s.num_tokens), None, None)
+                          for s in running if s.session_id is None]
+
+    def retry_after_s(self, seq: Sequence, session_id: str | None, num_new_tokens: int, now_s: float,
+                      running: list[Sequence], sessions: SessionManager | None) -> float | None:
+        """None when a turn that must wait would be let in at once (nobody waits before it and its context
+        fits beside the active sessions); else when to try again: until the first active parked session
+        is expected to stop counting (at least 1 s; 30 s when none is parked)."""
+        members = self._members(now_s, running, sessions)
+        turn = HeldTurn(seq, session_id, num_new_tokens)
+        view = AdmissionView(tuple(members), (Candidate(seq.request_id, session_id or seq.request_id,
+                                                        self._blocks(turn.num_context_tokens(sessions))),),
+                             len(running), round(self.typical_blocks))
+        if not self.held and self.policy.admit(view):
+            return None
+        left = [max(self.policy.min_hold_s, self.policy.hold_factor * (m.expected_wait_s or 0.0)) - m.idle_s
+                for m in members if m.idle_s is not None]
+        return max(1.0, min(left)) if left else 30.0
+
+    def release(self, now_s: float, running: list[Sequence], sessions: SessionManager | None,
+                order: Callable[[Sequence], object]) -> list[HeldTurn]:
+        """The held turns the policy lets in now, in the scheduler's `order`; the engine starts them."""
+        if not self.held:
+            return []
+        members = self._members(now_s, running, sessions)
         self.held.sort(key=lambda h: order(h.seq))
         candidates = tuple(Candidate(h.seq.request_id, h.session_id or h.seq.request_id,
                                      self._blocks(h.num_context_tokens(sessions))) for h in self.held)

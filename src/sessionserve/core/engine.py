@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import SchedulerConfig
-from sessionserve.core.admission import AdmissionDoor, WorkingSetAdmission
+from sessionserve.core.admission import AdmissionDoor, AdmissionFull, WorkingSetAdmission
 from sessionserve.core.priority import priority_rank
 from sessionserve.core.scheduler import Scheduler
 from sessionserve.core.session import Session, SessionState
@@ -107,6 +107,13 @@ class EngineCore:
             if session is not None and (session.state is SessionState.RUNNING
                                         or self.door.is_holding(session.session_id)):
                 raise SessionBusyError(f"session {session.session_id!r} already has a turn running")
+            if self.scheduler.config.admission_when_full == "reject":
+                sid = session.session_id if session is not None else None
+                wait = self.door.retry_after_s(seq, sid, len(new_ids) if session is not None else seq.num_tokens,
+                                               seq.arrival_s, self.scheduler.running, self.sessions)
+                if wait is not None:
+                    self.door.num_rejected += 1
+                    raise AdmissionFull(wait)
             self.door.hold(seq, session.session_id if session is not None else None,
                            len(new_ids) if session is not None else seq.num_tokens)
             if session is not None:

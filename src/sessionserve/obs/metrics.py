@@ -80,8 +80,8 @@ class Metrics:
         self.failed_steps = Gauge("sessionserve_failed_steps", "Engine steps that raised; each request then ran "
                                   "alone and only the ones that raised failed", labels, registry=r)
         self.admission = Gauge("sessionserve_admission", "Session admission by working set: turns waiting at the "
-                               "door now, sessions admitted, turns that waited since start", labels + ["what"],
-                               registry=r)
+                               "door now, sessions admitted, turns that waited or were refused (429) since start",
+                               labels + ["what"], registry=r)
         self.route_steps = Counter("sessionserve_route_steps", "Chat steps of model 'auto' by the model that ran "
                                    "them and why", ["routed_to", "reason"], registry=r)
         self.route_escalations = Counter("sessionserve_route_escalations",
@@ -141,6 +141,7 @@ class Metrics:
             self.admission.labels(m, "waiting").set(len(door.held))
             self.admission.labels(m, "admitted").set(len(door.admitted))
             self.admission.labels(m, "waited_total").set(door.num_held_total)
+            self.admission.labels(m, "rejected_total").set(door.num_rejected)
         total = eng.sessions.total_stats()
         self.recompute_tokens.labels(m).set(total.num_recompute_tokens)
         self.prefetch.labels(m, "hit").set(total.num_prefetch_hits)

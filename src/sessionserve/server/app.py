@@ -18,6 +18,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -34,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from sessionserve.config import ServerConfig
+from sessionserve.core.admission import AdmissionFull
 from sessionserve.core.session_manager import SessionBusyError
 from sessionserve.llm_engine import LLMEngine
 from sessionserve.obs.cpu_roles import ENGINE, TOKENIZE, CpuRoles, RoleMeter, RolePool
@@ -270,7 +272,7 @@ def default_route(engines: dict[str, LLMEngine]) -> ModelRoutePolicy:
 def error_response(exc: OpenAIError, state: ServerState, path: str = "") -> JSONResponse:
     """The error in the protocol of the path's API: Anthropic's JSON under /v1/messages, OpenAI's elsewhere."""
     state.metrics.errors.labels(str(exc.status_code)).inc()
-    headers = {"retry-after": "1"} if exc.status_code == 429 else None
+    headers = {"retry-after": str(math.ceil(exc.retry_after_s or 1))} if exc.status_code == 429 else None
     if path.startswith("/v1/messages"):
         from sessionserve.server.api.messages import error_body
 
@@ -348,6 +350,8 @@ def engine_error(exc: Exception) -> OpenAIError:
     """Map bridge/engine exceptions to OpenAI errors."""
     if isinstance(exc, EngineOverloaded):
         return OpenAIError(429, "The server is busy; retry shortly.", "rate_limit_error", code="overloaded")
+    if isinstance(exc, AdmissionFull):
+        return OpenAIError(429, str(exc), "rate_limit_error", code="admission_full", retry_after_s=exc.retry_after_s)
     if isinstance(exc, EngineDead):
         return OpenAIError(503, str(exc), "server_error", code="unavailable")
     if isinstance(exc, PermissionError):

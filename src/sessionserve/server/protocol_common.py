@@ -26,13 +26,14 @@ class OpenAIError(Exception):
     """An error the HTTP layer returns as `{"error": {...}}` with `status_code`."""
 
     def __init__(self, status_code: int, message: str, type: ErrorType = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s  # sent as Retry-After (whole seconds) with a 429
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
