@@ -69,7 +69,7 @@ def main() -> None:
     from ray import serve
 
     from sessionserve.cli_bench import _machine
-    from sessionserve.model.make_model import ensure_model
+    from sessionserve.modelgen.make_model import ensure_model
     from sessionserve.router.ray_app import ServeOptions, build_app
     from sessionserve.workload.http_backend import HttpBackend
     from sessionserve.workload.replay import LoadSpec
