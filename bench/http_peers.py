@@ -10,7 +10,8 @@ Every server gets the same total KV bytes over all its tiers (on a CPU host and
 device are the same RAM): `--kv-cache-bytes` for vLLM (`--kv-cache-memory-bytes`)
 and for `ours` (all of it device KV); `ours-host` splits the same total into
 device KV and a host tier of `--host-kv-bytes`, which its residency policy moves
-parked sessions to. Each server's CPU time (its whole process group, from
+parked sessions to; `vllm-offload` splits it the same way for vLLM's own KV
+offloading to CPU memory (`--kv-offloading-size`). Each server's CPU time (its whole process group, from
 /proc) over each load gives the cores it kept busy.
 
     .venv/bin/python bench/http_peers.py                      # ours (predictive), ours with a host tier, vLLM
@@ -59,7 +60,8 @@ OURS: dict[str, tuple[list[str], bool]] = {
     # A stateless server: a session's KV is dropped when its turn ends (the prefix cache may still hit).
     "ours-discard": (["--residency-policy", "discard"], True),
 }
-SERVERS = (*OURS, "vllm")
+# vLLM's own offloading (its OffloadingConnector to CPU memory): the same total, `--host-kv-bytes` of it offloaded.
+SERVERS = (*OURS, "vllm", "vllm-offload")
 
 
 def server_command(name: str, a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -75,8 +77,10 @@ def server_command(name: str, a: argparse.Namespace) -> tuple[list[str], dict[st
                  "--threads", str(a.threads), *OURS[name][0]], env)
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{a.threads - 1}"
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+    host = a.host_kv_bytes if name == "vllm-offload" else 0
+    offload = ["--kv-offloading-size", f"{host / (1 << 30):.6f}"] if host else []
     return ([str(a.vllm_python), "-m", "vllm.entrypoints.openai.api_server", *common,
-             "--kv-cache-memory-bytes", str(a.kv_cache_bytes), "--max-model-len", str(a.max_model_len),
+             "--kv-cache-memory-bytes", str(a.kv_cache_bytes - host), *offload, "--max-model-len", str(a.max_model_len),
              "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0", "--disable-log-stats"], env)
 
 
@@ -103,8 +107,8 @@ def warm_up(a: argparse.Namespace) -> None:
 
 
 def server_counters(a: argparse.Namespace) -> dict[str, float]:
-    """Our server's own counts from /metrics: recomputed session tokens (all sessions, open or closed) and the
-    implicit-session matcher's requests, hits and forks."""
+    """Our server's own counts from /metrics: recomputed session tokens (all sessions, open or closed), session
+    KV restores by outcome, and the implicit-session matcher's requests, hits and forks."""
     import httpx
 
     text = httpx.get(f"http://127.0.0.1:{a.port}/metrics", timeout=30).text
@@ -114,6 +118,8 @@ def server_counters(a: argparse.Namespace) -> dict[str, float]:
             key = "recompute_tokens"
         elif line.startswith("sessionserve_implicit_sessions{"):
             key = "implicit_" + line.split('what="', 1)[1].split('"', 1)[0]
+        elif line.startswith("sessionserve_session_restores{"):
+            key = "restores_" + line.split('outcome="', 1)[1].split('"', 1)[0]
         else:
             continue
         out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -157,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, default=96 << 20,
                    help="total KV bytes of every server, over all its tiers")
     p.add_argument("--host-kv-bytes", type=int, default=24 << 20,
-                   help="the part of the total that 'ours-host' holds as a host tier")
+                   help="the part of the total that 'ours-host' holds as a host tier ('vllm-offload': offloads)")
     p.add_argument("--policy", default="predictive", help="sessionserve's residency policy")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -176,16 +182,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     if a.model is None:
-        from sessionserve.model.make_model import ensure_model
+        from sessionserve.modelgen.make_model import ensure_model
 
         a.model = ensure_model("llama", "small")
     servers = [s.strip() for s in a.servers.split(",") if s.strip()]
     unknown = set(servers) - set(SERVERS)
     if unknown:
         raise SystemExit(f"unknown servers: {', '.join(sorted(unknown))}")
-    if "vllm" in servers and not a.vllm_python.is_file():
-        print(f"no vLLM at {a.vllm_python} (bench/peers/vllm_cpu.sh installs it): skipping it", file=sys.stderr)
-        servers.remove("vllm")
+    if not a.vllm_python.is_file():
+        for peer in ("vllm", "vllm-offload"):
+            if peer in servers:
+                print(f"no vLLM at {a.vllm_python} (bench/peers/vllm_cpu.sh installs it): skipping {peer}",
+                      file=sys.stderr)
+                servers.remove(peer)
     trace = load_trace(a.trace, traces_dir=a.traces_dir, token_scale=a.token_scale, time_scale=a.time_scale,
                        max_sessions=a.num_sessions, max_steps=a.max_steps, min_steps=a.max_steps,
                        max_context_tokens=a.max_context, max_wait_s=a.max_wait_s, seed=a.seed,
