@@ -80,9 +80,9 @@ def run_real(policy: str, rate: float, sessions: Any, engine_kwargs: dict[str, A
 def run_sim(policy: str, rate: float, trace: Any, engine_kwargs: dict[str, Any], profile: Any,
             a: argparse.Namespace) -> dict[str, Any]:
     """R independent replicas, one after another, pooled (the fleet's makespan is the longest)."""
-    from sessionserve.sim.driver import simulate
+    from sessionserve.planning.driver import simulate
     from sessionserve.sim.engine import SimEngine
-    from sessionserve.sim.planner import replica_sessions
+    from sessionserve.planning.planner import replica_sessions
 
     results, preemptions = [], 0
     for r in range(a.replicas):

@@ -19,7 +19,7 @@ With `--simulate PROFILE` the same comparison runs on the simulator: each
 replica a `SimEngine` with its own virtual clock (replicas side by side, each
 on its own accelerator, unlike a local cluster's shared cores), the same
 routing policy code (the baselines too), and Ray Serve's default modelled as
-power of two choices on requests in flight (`sim/fleet.py`). `--repeats` seeds the
+power of two choices on requests in flight (`planning/fleet.py`). `--repeats` seeds the
 default router's random choices differently each time.
 
     .venv/bin/python bench/router.py --simulate bench/profiles/llama-small-2core.json --num-sessions 24 \
@@ -182,9 +182,9 @@ def simulate(args: argparse.Namespace) -> None:
     seeds; one report per seed and the ratios of every seed."""
     from sessionserve.cli_bench import _machine
     from sessionserve.sim.engine import SimEngine
-    from sessionserve.sim.fleet import simulate_fleet
+    from sessionserve.planning.fleet import simulate_fleet
     from sessionserve.sim.profile import load_profile
-    from sessionserve.sim.runs import sim_config
+    from sessionserve.planning.runs import sim_config
     from sessionserve.workload.replay import LoadSpec
     from sessionserve.workload.sweep import with_replay_ttl
 

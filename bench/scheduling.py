@@ -69,9 +69,9 @@ def class_metrics(result: ReplayResult) -> dict[str, Any]:
 def simulate_fleet(policy: str, trace: Any, profile: Any, engine_kwargs: dict[str, Any], a: argparse.Namespace
                    ) -> dict[str, Any]:
     """The comparison on the simulator: `a.replicas` replicas, one after another, pooled."""
-    from sessionserve.sim.driver import simulate
+    from sessionserve.planning.driver import simulate
     from sessionserve.sim.engine import SimEngine
-    from sessionserve.sim.planner import replica_sessions
+    from sessionserve.planning.planner import replica_sessions
 
     results, preemptions = [], 0
     for r in range(a.replicas):

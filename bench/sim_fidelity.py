@@ -2,7 +2,7 @@
 
 The simulator's error is only worth stating on runs it was not fitted to. This
 runs the real engine (in process, the bench harness) on a *training* workload
-and fits the step cost model on its steps (`sim/fidelity.run_fidelity_online`);
+and fits the step cost model on its steps (`planning/fidelity.run_fidelity_online`);
 then, for each *held-out* workload (another trace, another load), runs the
 real engine again and simulates the same workload with the fitted costs and
 with the calibrated profile given (`--profile`, measured on a synthetic grid
@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from sessionserve.cli_bench import _machine  # noqa: E402
 from sessionserve.modelgen.make_model import ensure_model  # noqa: E402
-from sessionserve.sim.fidelity import FIDELITY_KEYS, compare_runs, run_fidelity_online  # noqa: E402
+from sessionserve.planning.fidelity import FIDELITY_KEYS, compare_runs, run_fidelity_online  # noqa: E402
 from sessionserve.sim.profile import load_profile  # noqa: E402
-from sessionserve.sim.runs import run_sim  # noqa: E402
+from sessionserve.planning.runs import run_sim  # noqa: E402
 from sessionserve.workload.loader import load_trace  # noqa: E402
 from sessionserve.workload.replay import LoadSpec  # noqa: E402
 from sessionserve.workload.sweep import run_inproc  # noqa: E402

@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from sessionserve.config import Config
-from sessionserve.sim.driver import SimReplay
+from sessionserve.planning.driver import SimReplay
 from sessionserve.sim.engine import SimEngine
-from sessionserve.sim.planner import FastPromptBuilder, replica_sessions
+from sessionserve.planning.planner import FastPromptBuilder, replica_sessions
 from sessionserve.sim.profile import load_profile
 from sessionserve.workload.loader import load_trace
 from sessionserve.workload.replay import LoadSpec

@@ -46,7 +46,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> Path:
     from sessionserve.modelgen.make_model import ensure_model
-    from sessionserve.sim.calibrate import Grid, calibrate
+    from sessionserve.planning.calibrate import Grid, calibrate
 
     model_dir = Path(args.model) if args.model else ensure_model("llama", args.model_size)
     kwargs = dict(kv_cache_bytes=args.device_kv_bytes, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
@@ -81,7 +81,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 def run_simulate(args: argparse.Namespace) -> Path:
     from sessionserve.cli_bench import _loads, _machine, _print_summary
     from sessionserve.sim.profile import load_profile
-    from sessionserve.sim.runs import run_sim
+    from sessionserve.planning.runs import run_sim
     from sessionserve.workload.loader import load_trace
     from sessionserve.workload.report import write_report
     from sessionserve.workload.results import build_results
@@ -129,7 +129,7 @@ def _vs_real(args: argparse.Namespace, trace: Any, policies: list[str], loads: l
              profile: Any, sim_runs: Any, out: Path) -> None:
     """Real runs of the same workload; the simulation with `profile` and with step costs fitted online."""
     from sessionserve.modelgen.make_model import ensure_model
-    from sessionserve.sim.fidelity import compare_runs, render_table, run_fidelity_online
+    from sessionserve.planning.fidelity import compare_runs, render_table, run_fidelity_online
 
     model_dir = Path(args.model) if args.model else ensure_model("llama", args.model_size)
     t0 = time.monotonic()
@@ -189,7 +189,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> Path:
-    from sessionserve.sim.planner import PlanQuestion, plan, write_plan
+    from sessionserve.planning.planner import PlanQuestion, plan, write_plan
     from sessionserve.sim.profile import load_profile
     from sessionserve.workload.loader import load_trace
 

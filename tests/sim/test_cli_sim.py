@@ -68,7 +68,7 @@ def test_plan_answers_with_a_table_and_plots(tmp_path: Path, capsys: pytest.Capt
 def test_the_simulator_and_planner_do_not_load_torch() -> None:
     """Planning runs thousands of simulated replicas, often in worker processes: importing the engine's
     torch (~1 s each) is not part of it."""
-    code = ("import sys, sessionserve.sim.planner, sessionserve.sim.driver, sessionserve.workload.loader; "
+    code = ("import sys, sessionserve.planning.planner, sessionserve.planning.driver, sessionserve.workload.loader; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -78,7 +78,7 @@ def test_the_simulator_and_planner_do_not_load_torch() -> None:
 
 
 def test_plan_in_worker_processes_answers_as_one_process() -> None:
-    from sessionserve.sim.planner import PlanQuestion, plan
+    from sessionserve.planning.planner import PlanQuestion, plan
 
     trace = agent_trace(8, 4, wait_s=2.0)
     q = PlanQuestion(users=100, slo_step_p99_s=1.0, policies=("discard", "predictive"), host_gib=(64.0,),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sessionserve.sim.calibrate import fit_step_cost
+from sessionserve.planning.calibrate import fit_step_cost
 from sessionserve.sim.cost_model import shape_of, step_seconds
 from sessionserve.sim.derived import builtin_names, builtin_profile
 from sessionserve.sim.profile import CostProfile, StepCost, load_profile

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sessionserve.sim.calibrate import Grid, calibrate
-from sessionserve.sim.fidelity import max_abs_error, run_fidelity_online
+from sessionserve.planning.calibrate import Grid, calibrate
+from sessionserve.planning.fidelity import max_abs_error, run_fidelity_online
 from sessionserve.workload.metrics import summarize
 from sessionserve.workload.replay import LoadSpec
 from sessionserve.workload.trace import AgentSession, Step, ToolCall, TraceSet

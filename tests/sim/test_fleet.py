@@ -7,7 +7,7 @@ import pytest
 from sessionserve.config import Config
 from sessionserve.sim.derived import builtin_profile
 from sessionserve.sim.engine import SimEngine
-from sessionserve.sim.fleet import make_router, simulate_fleet
+from sessionserve.planning.fleet import make_router, simulate_fleet
 from sessionserve.workload.metrics import summarize
 from sessionserve.workload.replay import LoadSpec
 from sessionserve.workload.trace import AgentSession, Step, ToolCall

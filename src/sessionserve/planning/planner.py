@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sessionserve.config import Config
-from sessionserve.sim.driver import SimReplay
+from sessionserve.planning.driver import SimReplay
 from sessionserve.sim.engine import SimEngine
 from sessionserve.sim.profile import CostProfile
 from sessionserve.workload.metrics import percentile

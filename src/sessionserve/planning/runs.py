@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sessionserve.config import Config
-from sessionserve.sim.driver import simulate
+from sessionserve.planning.driver import simulate
 from sessionserve.sim.engine import SimEngine
 from sessionserve.sim.profile import CostProfile
 from sessionserve.workload.progress import Progress

@@ -44,7 +44,7 @@ def run_fidelity(trace: TraceSet, policies: Sequence[str], loads: Sequence[LoadS
                  engine_kwargs: dict[str, Any], profile: CostProfile, *, seed: int = 0, warm: bool = True
                  ) -> tuple[Runs, Runs, list[dict[str, Any]]]:
     """Real runs, simulated runs and their comparison, for the same engine settings."""
-    from sessionserve.sim.runs import run_sim
+    from sessionserve.planning.runs import run_sim
     from sessionserve.workload.sweep import run_inproc, warm_up
 
     if warm:
@@ -71,7 +71,7 @@ def run_real_recorded(trace: TraceSet, policies: Sequence[str], loads: Sequence[
 
     from sessionserve.config import Config
     from sessionserve.llm_engine import LLMEngine
-    from sessionserve.sim.calibrate import StepRecorder
+    from sessionserve.planning.calibrate import StepRecorder
     from sessionserve.workload.replay import InprocBackend, replay
 
     recorder = StepRecorder()
@@ -96,8 +96,8 @@ def run_fidelity_online(trace: TraceSet, policies: Sequence[str], loads: Sequenc
     queueing, waits, policies) from the drift between a calibration and a later run. `base` gives the model
     shape and copy bandwidths.
     """
-    from sessionserve.sim.calibrate import fit_step_cost
-    from sessionserve.sim.runs import run_sim
+    from sessionserve.planning.calibrate import fit_step_cost
+    from sessionserve.planning.runs import run_sim
     from sessionserve.workload.sweep import warm_up
 
     warm_up(model_dir, {**engine_kwargs, "residency_policy": policies[0]}, seed)

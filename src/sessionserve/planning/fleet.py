@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from sessionserve.cache.block_hash import extend_block_hashes
 from sessionserve.router import policy as rp
-from sessionserve.sim.driver import IDLE_TICK_S, SimStalled, schedule_load, step_result
+from sessionserve.planning.driver import IDLE_TICK_S, SimStalled, schedule_load, step_result
 from sessionserve.sim.engine import SimEngine
 from sessionserve.types.sampling_params import SamplingParams
 from sessionserve.workload.inproc import fold_session_stats
