@@ -20,7 +20,7 @@ from sessionserve.core.session_manager import SessionBusyError, SessionManager
 from sessionserve.core.spec import Proposer, SpecPolicy, StepCostFit
 from sessionserve.types.executor import Executor, ExecutorOutput
 from sessionserve.types.sampling_params import SamplingParams
-from sessionserve.types.scheduler_output import SchedulerOutput
+from sessionserve.types.scheduler_output import ScheduledChunk, SchedulerOutput
 from sessionserve.types.sequence import ParkHint, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -243,10 +243,7 @@ class EngineCore:
         if self.proposer is not None:
             self._propose()
         if self.door is not None and self.door.held:
-            now = self.clock()
-            for held in self.door.release(now, self.scheduler.running, self.sessions, self.scheduler.order(now)):
-                session = self.sessions.get(held.session_id) if self.sessions and held.session_id else None
-                self._start(held.seq, session, held.num_new_tokens, now)
+            self._let_in(self.clock())
         plan: SchedulerOutput = self.scheduler.schedule(self.clock())
         if plan.is_empty:
             if self.sessions is not None:
@@ -266,36 +263,10 @@ class EngineCore:
                                                   if c.seq.request_id not in failed))
         finished = self.scheduler.update(plan, result.sampled, result.accepted)
         now = self.clock()
-        if all(c.num_tokens - c.num_spec == 1 for c in plan.chunks):  # decodes only: the unit of draft cost
-            self.execute_s = now - t0 if self.execute_s is None else 0.9 * self.execute_s + 0.1 * (now - t0)
-            self.step_fit.observe(plan.num_batched_tokens, now - t0)
-        if plan.num_batched_tokens >= 64:
-            sample = (now - t0) / plan.num_batched_tokens
-            prev = self.prefill_s_per_token
-            self.prefill_s_per_token = sample if prev is None else 0.8 * prev + 0.2 * sample
+        self._observe_step_time(plan, now - t0)
         self.num_steps += 1
-        outputs: list[StepOutput] = []
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            token = result.sampled.get(seq.request_id)
-            if token is None or seq.status is SequenceStatus.FINISHED_ABORTED:
-                continue
-            if seq.first_token_s is None:
-                seq.first_token_s = now
-            if seq.sampling_params.logprobs is not None:
-                if seq.logprobs is None:
-                    seq.logprobs = []
-                seq.logprobs.append(result.logprobs.get(seq.request_id, {}))
-            new_ids = [token]
-            if chunk.num_spec:
-                num_accepted = len(result.accepted.get(seq.request_id, []))
-                seq.spec_acceptance = self.spec_policy.update(seq.spec_acceptance, chunk.num_spec, num_accepted)
-                self.num_spec_proposed += chunk.num_spec
-                self.num_spec_accepted += num_accepted
-                self.num_spec_steps += 1
-                # accepted drafts, then the target's own token, cut where a stop ended the sequence
-                new_ids = (result.accepted.get(seq.request_id, []) + [token])[:seq.num_tokens - num_before[seq]]
-            outputs.append(StepOutput(seq, new_ids, seq.is_finished))
+        outputs = [out for chunk in plan.chunks
+                   if (out := self._output(chunk, result, num_before, now)) is not None]
         for request_id, error in failed.items():
             seq = self.requests.get(request_id)
             if seq is not None:
@@ -311,3 +282,45 @@ class EngineCore:
             # After parking this step's finished turns, so the policy sees them at once.
             self.sessions.tick(now, self.scheduler.num_wanted_blocks)
         return outputs
+
+    def _let_in(self, now: float) -> None:
+        """Start the turns the admission door lets in now."""
+        assert self.door is not None
+        for held in self.door.release(now, self.scheduler.running, self.sessions, self.scheduler.order(now)):
+            session = self.sessions.get(held.session_id) if self.sessions and held.session_id else None
+            self._start(held.seq, session, held.num_new_tokens, now)
+
+    def _observe_step_time(self, plan: SchedulerOutput, seconds: float) -> None:
+        """Fold a step's time into the measured costs: decode steps (the unit of a draft's cost, and where
+        verifying drafts stops being free) and prefill seconds per token (what a recompute costs)."""
+        if all(c.num_tokens - c.num_spec == 1 for c in plan.chunks):  # decodes only
+            self.execute_s = seconds if self.execute_s is None else 0.9 * self.execute_s + 0.1 * seconds
+            self.step_fit.observe(plan.num_batched_tokens, seconds)
+        if plan.num_batched_tokens >= 64:
+            sample = seconds / plan.num_batched_tokens
+            prev = self.prefill_s_per_token
+            self.prefill_s_per_token = sample if prev is None else 0.8 * prev + 0.2 * sample
+
+    def _output(self, chunk: ScheduledChunk, result: ExecutorOutput, num_before: dict[Sequence, int],
+                now: float) -> StepOutput | None:
+        """What a chunk's sequence got this step (None: no token, or aborted while the step ran): its token,
+        with a speculative chunk's accepted drafts before it, cut where a stop ended the sequence."""
+        seq = chunk.seq
+        token = result.sampled.get(seq.request_id)
+        if token is None or seq.status is SequenceStatus.FINISHED_ABORTED:
+            return None
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+        if seq.sampling_params.logprobs is not None:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(result.logprobs.get(seq.request_id, {}))
+        new_ids = [token]
+        if chunk.num_spec:
+            num_accepted = len(result.accepted.get(seq.request_id, []))
+            seq.spec_acceptance = self.spec_policy.update(seq.spec_acceptance, chunk.num_spec, num_accepted)
+            self.num_spec_proposed += chunk.num_spec
+            self.num_spec_accepted += num_accepted
+            self.num_spec_steps += 1
+            new_ids = (result.accepted.get(seq.request_id, []) + [token])[:seq.num_tokens - num_before[seq]]
+        return StepOutput(seq, new_ids, seq.is_finished)
