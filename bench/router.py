@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import time
@@ -122,15 +121,17 @@ def replicas_cpu_s(app: str) -> float:
     """CPU seconds (user + system) the engine replicas of Serve app `app` have used so far, read from /proc: the
     cluster is local, and Ray names each replica's process `ray::ServeReplica:<app>:<deployment>`."""
     from sessionserve.router.ray_app import ENGINE_DEPLOYMENT
+    from sessionserve.workload.server_process import cpu_s, proc_stat
 
     title, total = f"ray::ServeReplica:{app}:{ENGINE_DEPLOYMENT}".encode(), 0.0
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(title):
-                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+            if not (proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(title)):
+                continue
         except OSError:  # the process ended meanwhile
             continue
+        if (fields := proc_stat(proc.name)) is not None:
+            total += cpu_s(fields)
     return total
 
 

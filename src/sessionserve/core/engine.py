@@ -102,25 +102,24 @@ class EngineCore:
         if seq.program.start_s is None:
             seq.program.start_s = seq.arrival_s
         self.scheduler.check_fits(seq)
+        sid = session.session_id if session is not None else None
+        num_new = len(new_ids) if session is not None else seq.num_tokens  # what the turn adds to its context
         if self.door is not None and self.door.must_wait(session, seq.arrival_s, self.sessions):
             # At the door: the session does not start the turn yet (its KV stays parked).
-            if session is not None and (session.state is SessionState.RUNNING
-                                        or self.door.is_holding(session.session_id)):
-                raise SessionBusyError(f"session {session.session_id!r} already has a turn running")
+            if session is not None and (session.state is SessionState.RUNNING or self.door.is_holding(sid)):
+                raise SessionBusyError(f"session {sid!r} already has a turn running")
             if self.scheduler.config.admission_when_full == "reject":
-                sid = session.session_id if session is not None else None
-                wait = self.door.retry_after_s(seq, sid, len(new_ids) if session is not None else seq.num_tokens,
-                                               seq.arrival_s, self.scheduler.running, self.sessions)
+                wait = self.door.retry_after_s(seq, sid, num_new, seq.arrival_s, self.scheduler.running,
+                                               self.sessions)
                 if wait is not None:
                     self.door.num_rejected += 1
                     raise AdmissionFull(wait)
-            self.door.hold(seq, session.session_id if session is not None else None,
-                           len(new_ids) if session is not None else seq.num_tokens)
+            self.door.hold(seq, sid, num_new)
             if session is not None:
                 assert self.sessions is not None
-                self.sessions.pinned.add(session.session_id)
+                self.sessions.pinned.add(sid)
         else:
-            self._start(seq, session, len(new_ids) if session is not None else 0, seq.arrival_s)
+            self._start(seq, session, num_new if session is not None else 0, seq.arrival_s)
         self.requests[request_id] = seq
         return seq
 

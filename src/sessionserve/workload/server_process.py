@@ -16,23 +16,32 @@ from pathlib import Path
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def proc_stat(pid: str) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces): fields[0] is field 3 of
+    stat(5), the state; fields[2] the process group, fields[11] and [12] user and system ticks. None if
+    the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def cpu_s(fields: list[bytes]) -> float:
+    """User + system CPU seconds from `proc_stat` fields."""
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
 def group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) used so far by the live processes of process group `pgid`, from /proc.
 
     A server and the processes it started (vLLM's engine core) lead one group, so this is the whole server.
     """
-    total = 0
+    total = 0.0
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
-        except OSError:
-            continue  # exited meanwhile
-        if int(fields[2]) == pgid:  # fields[0] is field 3 of stat(5): state, ppid, pgrp, ...
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / _TICKS_PER_S
+        if entry.name.isdigit() and (fields := proc_stat(entry.name)) is not None and int(fields[2]) == pgid:
+            total += cpu_s(fields)
+    return total
 
 
 @dataclass(frozen=True)
