@@ -1,13 +1,16 @@
-"""The predictive residency policy (ours) and the index that keeps its per-session states.
+"""The predictive residency policy (ours), and the index the simulator turns on to decide it faster.
 
 Keep short predicted waits in place; on a device more than half used, move
 longer ones to host (or disk, by size and room) as soon as they park; under
 pressure, the farthest predicted next use first; prefetch so the KV is back
-just before the predicted resume. Pure: a function of the `ResidencyView`;
-the index is a cache that any view answers exactly as a fresh policy would.
+just before the predicted resume. Pure: a function of the `ResidencyView`.
 
-`reference_decide` is the same policy written plainly, with no index: read it
-to know what the policy decides (a property test holds `decide` to it).
+`PredictivePolicy.decide` is the policy written plainly, from the view alone:
+read it to know what the policy decides. With `indexed=True` (the simulator's
+choice, where thousands of parked sessions are decided on every virtual step)
+the same decisions come from `_PredictiveIndex`, which keeps per-session
+states from view to view in time proportional to what changed; a property
+test holds the two equal.
 """
 
 from __future__ import annotations
@@ -225,7 +228,10 @@ class PredictivePolicy:
     # Long waits leave at once only while the device is more than this share used: below it, holding
     # them costs nobody anything, and a move out and back risks a late restore on the resume.
     demote_above_usage: float = 0.5
-    # The sessions' states as of the last view (a cache: any view gets the answer a fresh policy gives).
+    # Decide from per-session states kept from view to view (`_PredictiveIndex`) rather than afresh: the
+    # same decisions in time proportional to what changed. The simulator turns it on.
+    indexed: bool = False
+    # The sessions' states as of the last view, when indexed (a cache: any view gets the plain answer).
     _index: _PredictiveIndex = field(default_factory=_PredictiveIndex, init=False, repr=False, compare=False)
 
     def remaining_s(self, s: ParkedSession, now_s: float) -> float:
@@ -233,6 +239,63 @@ class PredictivePolicy:
         return _remaining_after(s.predicted.p50_s, s.predicted.p90_s, now_s - s.parked_s)
 
     def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
+        """A session on device is *long* when its expected remaining wait exceeds `keep_threshold_s` (a
+        few host round trips of its size): moving it out and back costs less than holding it. One off
+        device is *due* when its expected remaining wait is below `lead_s` (a few restore times). Under
+        pressure (queued work lacks blocks, or free blocks are below the watermark) sessions on device
+        leave farthest next use first, to host when the round trip beats the wait, else to disk when a
+        restore beats recomputing, else host if it fits, else they are dropped; without pressure only
+        long ones leave, to host, and only on a device more than `demote_above_usage` used. Then due
+        sessions come back, soonest first, into the room above the watermark."""
+        if self.indexed:
+            return self._decide_indexed(view)
+        c, now = view.costs, view.now_s
+        reserve = int(self.low_watermark * view.num_device_blocks)
+        need = pressure(view) + max(0, reserve - view.num_free_device_blocks)
+        if need > 0:  # moves out already under way free their blocks shortly: no second eviction for them
+            need -= sum(s.num_freed_blocks for s in view.parked if s.residency is Residency.OFFLOADING)
+        on_device = [(i, s) for i, s in enumerate(view.parked) if s.residency is Residency.DEVICE]
+        if need > 0:
+            # Sessions whose blocks all stay (others read them) last; then farthest next use; then view order.
+            order = sorted(on_device, key=lambda x: (x[1].num_freed_blocks <= 0, -self.remaining_s(x[1], now), x[0]))
+        elif self._demotes(view):
+            order = sorted(((i, s) for i, s in on_device if s.num_freed_blocks > 0 and self.is_long(s, now, c)),
+                           key=lambda x: (-self.remaining_s(x[1], now), x[0]))
+        else:
+            order = []
+        actions: list[ResidencyAction] = []
+        host_free, disk_free = view.num_free_host_blocks, view.num_free_disk_blocks
+        for _, s in order:
+            if need <= 0:
+                if s.num_freed_blocks > 0 and self.is_long(s, now, c) and host_free >= s.num_blocks:
+                    actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
+                    host_free -= s.num_blocks
+                continue
+            action = self.leave(s, self.remaining_s(s, now), host_free, disk_free, c)
+            actions.append(action)
+            host_free -= s.num_blocks if action.tier is Tier.HOST else 0
+            disk_free -= s.num_blocks if action.tier is Tier.DISK else 0
+            need -= s.num_freed_blocks
+        room = view.num_free_device_blocks - reserve - pressure(view)
+        due = sorted((self.remaining_s(s, now), i, s) for i, s in enumerate(view.parked)
+                     if s.residency in (Residency.HOST, Residency.DISK) and self.is_due(s, now, c))
+        for _, _, s in due:
+            if s.num_blocks <= room:
+                actions.append(ResidencyAction(ActionKind.PREFETCH, s.session_id))
+                room -= s.num_blocks
+        return tuple(actions)
+
+    def is_long(self, s: ParkedSession, now_s: float, c: MoveCosts) -> bool:
+        """On device, and its expected remaining wait is above `keep_threshold_s` (read as `_above_until`
+        reads it: a decision asked for at the time it changes sees the new value)."""
+        return _above_until(s, now_s, self.keep_threshold_s(s, c), True)[0]
+
+    def is_due(self, s: ParkedSession, now_s: float, c: MoveCosts) -> bool:
+        """Off device, and its expected remaining wait is at most `lead_s`: time to prefetch."""
+        return not _above_until(s, now_s, self.lead_s(s, c), False)[0]
+
+    def _decide_indexed(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
+        """`decide`, from the index's per-session states."""
         c, now = view.costs, view.now_s
         reserve = int(self.low_watermark * view.num_device_blocks)
         need = pressure(view) + max(0, reserve - view.num_free_device_blocks)
@@ -323,59 +386,18 @@ class PredictivePolicy:
         # enough for them to leave) and every due one lacks device room, each on its own: that stays so
         # in any order until the clock makes another session one to act on (a wait on device turning
         # long, where they leave; one off device coming due).
-        self._index.sync(self, view)
-        return self._index.next_act_s(on_device=self._demotes(view))
-
-
-def reference_decide(policy: PredictivePolicy, view: ResidencyView) -> tuple[ResidencyAction, ...]:
-    """What `PredictivePolicy.decide` returns, computed from the view alone.
-
-    A session on device is *long* when its expected remaining wait exceeds `keep_threshold_s` (a few
-    host round trips of its size): moving it out and back costs less than holding it. One off device
-    is *due* when its expected remaining wait is below `lead_s` (a few restore times). Under pressure
-    (queued work lacks blocks, or free blocks are below the watermark) sessions on device leave
-    farthest next use first, to host when the round trip beats the wait, else to disk when a restore
-    beats recomputing, else host if it fits, else they are dropped; without pressure only long ones
-    leave, to host, and only on a device more than `demote_above_usage` used. Then due sessions come
-    back, soonest first, into the room above the watermark.
-    """
-    c, now = view.costs, view.now_s
-
-    def long(s: ParkedSession) -> bool:
-        return policy.remaining_s(s, now) > policy.keep_threshold_s(s, c)
-
-    reserve = int(policy.low_watermark * view.num_device_blocks)
-    need = pressure(view) + max(0, reserve - view.num_free_device_blocks)
-    if need > 0:
-        need -= sum(s.num_freed_blocks for s in view.parked if s.residency is Residency.OFFLOADING)
-    on_device = [(i, s) for i, s in enumerate(view.parked) if s.residency is Residency.DEVICE]
-    if need > 0:
-        # Sessions whose blocks all stay (others read them) last; then farthest next use; then view order.
-        order = sorted(on_device, key=lambda x: (x[1].num_freed_blocks <= 0, -policy.remaining_s(x[1], now), x[0]))
-    elif policy._demotes(view):
-        order = sorted(((i, s) for i, s in on_device if s.num_freed_blocks > 0 and long(s)),
-                       key=lambda x: (-policy.remaining_s(x[1], now), x[0]))
-    else:
-        order = []
-    actions: list[ResidencyAction] = []
-    host_free, disk_free = view.num_free_host_blocks, view.num_free_disk_blocks
-    for _, s in order:
-        if need <= 0:
-            if s.num_freed_blocks > 0 and long(s) and host_free >= s.num_blocks:
-                actions.append(ResidencyAction(ActionKind.OFFLOAD, s.session_id, Tier.HOST))
-                host_free -= s.num_blocks
-            continue
-        action = policy.leave(s, policy.remaining_s(s, now), host_free, disk_free, c)
-        actions.append(action)
-        host_free -= s.num_blocks if action.tier is Tier.HOST else 0
-        disk_free -= s.num_blocks if action.tier is Tier.DISK else 0
-        need -= s.num_freed_blocks
-    room = view.num_free_device_blocks - reserve - pressure(view)
-    off_device = [(i, s) for i, s in enumerate(view.parked) if s.residency in (Residency.HOST, Residency.DISK)]
-    due = sorted((policy.remaining_s(s, now), i, s) for i, s in off_device
-                 if policy.remaining_s(s, now) <= policy.lead_s(s, c))
-    for _, _, s in due:
-        if s.num_blocks <= room:
-            actions.append(ResidencyAction(ActionKind.PREFETCH, s.session_id))
-            room -= s.num_blocks
-    return tuple(actions)
+        demotes = self._demotes(view)
+        if self.indexed:
+            self._index.sync(self, view)
+            return self._index.next_act_s(on_device=demotes)
+        c, now, out = view.costs, view.now_s, None
+        for s in view.parked:
+            if s.residency is Residency.DEVICE and demotes and s.num_freed_blocks > 0:
+                acts_s = _above_until(s, now, self.keep_threshold_s(s, c), True)[2]
+            elif s.residency is Residency.HOST or s.residency is Residency.DISK:
+                acts_s = _above_until(s, now, self.lead_s(s, c), False)[2]
+            else:
+                continue
+            if acts_s is not None and (out is None or acts_s < out):
+                out = acts_s
+        return out

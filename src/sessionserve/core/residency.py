@@ -24,7 +24,7 @@ The view and the actions are in core/residency_view.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from sessionserve.core.predictive import PredictivePolicy
 from sessionserve.core.residency_view import (
@@ -172,8 +172,12 @@ POLICIES: dict[str, type] = {
 }
 
 
-def make_policy(name: str) -> ResidencyPolicy:
+def make_policy(name: str, indexed: bool = False) -> ResidencyPolicy:
+    """The policy called `name`. `indexed`: decide from per-session states kept from view to view where
+    the policy has such an index (the same decisions, faster with many parked sessions: the simulator's
+    choice)."""
     try:
-        return POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown residency policy {name!r}; choose from {sorted(POLICIES)}") from None
+    return cls(indexed=True) if indexed and "indexed" in {f.name for f in fields(cls)} else cls()

@@ -194,13 +194,14 @@ def _views(draw):
                          draw(st.integers(0, 200)), draw(st.integers(0, 200)), COSTS)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name,indexed", [(n, False) for n in sorted(POLICIES)] + [("predictive", True)])
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(v=_views(), fractions=st.lists(st.floats(0.0, 1.0, exclude_max=True), min_size=1, max_size=6))
-def test_decision_holds_until_next_decision_time(name: str, v: ResidencyView, fractions: list[float]) -> None:
+def test_decision_holds_until_next_decision_time(name: str, indexed: bool, v: ResidencyView,
+                                                 fractions: list[float]) -> None:
     """After a `decide` with no action, the engine skips `decide` while only the clock moves and it
     is before `next_decision_s`: at any such moment the answer must still be no action."""
-    policy = make_policy(name)
+    policy = make_policy(name, indexed)
     if policy.decide(v):
         return
     due = policy.next_decision_s(v)
@@ -218,10 +219,10 @@ def test_decision_holds_until_next_decision_time(name: str, v: ResidencyView, fr
                                             st.sampled_from(["same", "replace", "move", "leave", "park", "free"])),
                                   min_size=1, max_size=10))
 def test_predictive_remembers_nothing_that_changes_an_answer(v: ResidencyView, steps) -> None:
-    """The predictive policy keeps its per-session states from view to view; over a run of views (time
-    moving, sessions changing, moving between tiers, leaving and parking, room changing, the last view
-    asked again, as the engine asks lazily, and an older one) it answers as a fresh policy would."""
-    kept = make_policy("predictive")
+    """Indexed, the predictive policy keeps its per-session states from view to view; over a run of views
+    (time moving, sessions changing, moving between tiers, leaving and parking, room changing, the last
+    view asked again, as the engine asks lazily, and an older one) it answers as the plain policy does."""
+    kept = make_policy("predictive", indexed=True)
     views = [v]
     for n, (dt, k, change) in enumerate(steps):
         last = views[-1]
@@ -256,13 +257,15 @@ def test_predictive_remembers_nothing_that_changes_an_answer(v: ResidencyView, s
             assert kept.next_decision_s(asked) == fresh.next_decision_s(asked)
 
 
+@pytest.mark.parametrize("indexed", [False, True])
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(parked_s=st.floats(0.0, 100.0), p50=st.floats(0.5, 50.0), waited=st.floats(0.0, 1.0, exclude_max=True))
-def test_predictive_prefetches_at_the_time_it_gave(parked_s: float, p50: float, waited: float) -> None:
+def test_predictive_prefetches_at_the_time_it_gave(indexed: bool, parked_s: float, p50: float,
+                                                   waited: float) -> None:
     """Woken at its own next decision time, the policy sees the change: a prefetch due then starts then,
     whatever the rounding of the time (the engine of a simulator wakes at exactly that float)."""
     s = ParkedSession("s", Residency.HOST, 10, 160, parked_s, WaitPrediction(p50 / 4, p50, p50 * 4, 10))
-    policy = make_policy("predictive")
+    policy = make_policy("predictive", indexed)
     v = view([s], now=parked_s + waited * (p50 / 2), free=80, total=100)
     assert policy.decide(v) == ()
     due = policy.next_decision_s(v)
@@ -273,7 +276,7 @@ def test_predictive_prefetches_at_the_time_it_gave(parked_s: float, p50: float, 
 def test_predictive_follows_the_views_delta() -> None:
     """Told what changed since the view before, the policy forgets sessions gone and looks again at
     changed ones: a long wait that left the view is not offloaded, a changed one is judged anew."""
-    policy = make_policy("predictive")
+    policy = make_policy("predictive", indexed=True)
     long_wait = parked("long", p50=100.0)
     short = parked("short", p50=0.01, parked_s=1.0)
     v1 = view([long_wait, short], free=40, total=100, now=1.0)._replace(num_free_host_blocks=0)
@@ -298,28 +301,18 @@ def test_predictive_counts_offloads_under_way_against_the_need() -> None:
     assert kinds(pol.decide(view([moving, b], free=10, wanted=25))) == {"b": ActionKind.OFFLOAD}
 
 
-def _near_a_threshold(v: ResidencyView) -> bool:
-    """A session whose expected remaining wait is within rounding of its threshold (where the index's
-    piecewise table and a direct comparison may round apart)."""
-    from sessionserve.core.predictive import PredictivePolicy
-
-    p = PredictivePolicy()
-    for s in v.parked:
-        remaining = p.remaining_s(s, v.now_s)
-        for threshold in (p.keep_threshold_s(s, v.costs), p.lead_s(s, v.costs)):
-            if abs(remaining - threshold) < 1e-6 * max(1.0, threshold):
-                return True
-    return False
-
-
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(v=_views(), later=st.lists(st.floats(0.0, 80.0), min_size=1, max_size=4))
-def test_predictive_decides_as_its_plain_reference(v: ResidencyView, later: list[float]) -> None:
-    """`PredictivePolicy.decide` (incremental index, lazily deleted heaps) returns what the plain
-    `reference_decide` computes from the view alone, over views whose clock moves on."""
-    from sessionserve.core.predictive import reference_decide
-
-    policy = make_policy("predictive")
+def test_predictive_indexed_decides_as_the_plain_policy(v: ResidencyView, later: list[float]) -> None:
+    """With its index on (incremental per-session states, lazily deleted heaps: the simulator's choice),
+    the predictive policy decides what the plain `decide` computes from the view alone, and gives the same
+    next decision time, over views whose clock moves on."""
+    indexed, plain = make_policy("predictive", indexed=True), make_policy("predictive")
     for w in (v, *(v._replace(now_s=v.now_s + dt) for dt in sorted(later))):
-        if not _near_a_threshold(w):
-            assert policy.decide(w) == reference_decide(policy, w)
+        assert indexed.decide(w) == plain.decide(w)
+        assert indexed.next_decision_s(w) == plain.next_decision_s(w)
+
+
+def test_only_the_predictive_policy_has_an_index() -> None:
+    assert make_policy("predictive", indexed=True).indexed and not make_policy("predictive").indexed
+    assert make_policy("least-waste", indexed=True) == make_policy("least-waste")
