@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from sessionserve.cache.block_hash import extend_block_hashes
 from sessionserve.cache.block_pool import BlockPool
+from sessionserve.types.sequence import BlockOwner
 
 
 class PrefixHit(NamedTuple):
@@ -38,9 +39,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_tables: dict[str, list[int]] = {}
-        self._hashes: dict[str, list[bytes]] = {}
-        self._num_committed: dict[str, int] = {}  # blocks of the request already in the prefix index
+        self.block_tables: dict[BlockOwner, list[int]] = {}
+        self._hashes: dict[BlockOwner, list[bytes]] = {}
+        self._num_committed: dict[BlockOwner, int] = {}  # blocks of the request already in the prefix index
         # Requests without a table yet (waiting): their last cached run, so that asking again each step costs
         # the blocks evicted since and the lookups past the run's end, not a walk over the whole context.
         self._memo: dict[str, _PrefixMemo] = {}
@@ -105,7 +106,7 @@ class KVCacheManager:
         """Hashes of the full blocks of `token_ids` (chained, salted: the prefix cache's keys)."""
         return extend_block_hashes([], token_ids, self.block_size, salt)
 
-    def known_block_hashes(self, key: str, num_tokens: int) -> list[bytes] | None:
+    def known_block_hashes(self, key: BlockOwner, num_tokens: int) -> list[bytes] | None:
         """The hashes of the full blocks of `key`'s first `num_tokens` tokens if already worked out (as the
         prefix cache keys them), else None."""
         hashes = self._hashes.get(key)
@@ -124,7 +125,7 @@ class KVCacheManager:
         hashes = self._hashes.get(request_id)
         return hashes[index] if hashes is not None and index < len(hashes) else None
 
-    def num_blocks_required(self, request_id: str, num_total_tokens: int, hit: PrefixHit | None = None) -> int:
+    def num_blocks_required(self, request_id: BlockOwner, num_total_tokens: int, hit: PrefixHit | None = None) -> int:
         """Free blocks `allocate` would consume for this call (new ones plus revived cached ones)."""
         table = self.block_tables.get(request_id)
         adopt = hit.blocks if hit is not None and table is None else []
@@ -132,7 +133,7 @@ class KVCacheManager:
         num_revived = sum(1 for b in adopt if self.pool.ref_counts[b] == 0)
         return max(0, self.blocks_needed(num_total_tokens) - have) + num_revived
 
-    def allocate(self, request_id: str, num_total_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
+    def allocate(self, request_id: BlockOwner, num_total_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
         """Grow the request's table to hold `num_total_tokens`; adopt `hit` blocks first if given.
 
         Returns the new block ids, or None (and changes nothing) if the pool
@@ -155,7 +156,7 @@ class KVCacheManager:
         table.extend(new_blocks)
         return new_blocks
 
-    def commit_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+    def commit_full_blocks(self, request_id: BlockOwner, token_ids: Sequence[int], num_computed_tokens: int,
                            salt: bytes = b"") -> None:
         """Register the request's newly full, computed blocks in the prefix index."""
         table = self.block_tables.get(request_id)
@@ -169,7 +170,7 @@ class KVCacheManager:
             self.pool.cache_block(table[i], hashes[i])
         self._num_committed[request_id] = max(start, end)
 
-    def rename(self, old_key: str, new_key: str) -> None:
+    def rename(self, old_key: BlockOwner, new_key: BlockOwner) -> None:
         """Hand a block table (and its hashing progress) to a new owner key; no counts change."""
         if new_key in self.block_tables:
             raise KeyError(f"{new_key!r} already owns blocks")
@@ -180,7 +181,7 @@ class KVCacheManager:
             if old_key in table:
                 table[new_key] = table.pop(old_key)  # type: ignore[assignment]
 
-    def trim(self, key: str, num_tokens: int) -> int:
+    def trim(self, key: BlockOwner, num_tokens: int) -> int:
         """Keep KV for at most the first `num_tokens` tokens of `key`; return how many are kept.
 
         Blocks past the cut are released. A cut inside a block that is in the
@@ -208,10 +209,10 @@ class KVCacheManager:
             self._num_committed[key] = min(self._num_committed[key], len(table), num_full)
         return min(num_tokens, keep_blocks * self.block_size)
 
-    def num_blocks_of(self, key: str) -> int:
+    def num_blocks_of(self, key: BlockOwner) -> int:
         return len(self.block_tables.get(key, ()))
 
-    def free(self, request_id: str, keep_hashes: bool = False) -> None:
+    def free(self, request_id: BlockOwner, keep_hashes: bool = False) -> None:
         """Release the request's blocks (cached ones stay reusable) and forget it.
 
         With `keep_hashes` the block hashes of its tokens are kept (a session whose KV moved to another

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from sessionserve.types.sequence import Program
+from sessionserve.types.sequence import Program, Sequence, SessionBlocks
 
 if TYPE_CHECKING:
     from sessionserve.types.kv_mover import Tier
@@ -47,6 +47,13 @@ class SessionStats:
     total_wait_s: float = 0.0  # time parked
 
 
+class WaitingTurn(NamedTuple):
+    """A session's turn that waits for the session's KV to come back from a lower tier, and since when."""
+
+    seq: Sequence
+    since_s: float
+
+
 @dataclass(eq=False, slots=True)
 class Session:
     """A conversation whose KV survives between turns.
@@ -73,11 +80,15 @@ class Session:
     predicted_resume_s: float | None = None
     is_prefetched: bool = False  # current device copy came from a prefetch (for hit accounting)
     request_id: str | None = None  # the running turn
+    waiting_turn: WaitingTurn | None = None  # the running turn, while it waits for the KV to come back
+    # Computed tokens the last drop lost (or the client's rewrite kept of them): the next turn's prefill
+    # of them, less what the prefix cache still held, is counted as recompute.
+    num_dropped_tokens: int = 0
     stats: SessionStats = field(default_factory=SessionStats)
     # Service its turns received (tokens computed), for least-attained-service scheduling.
     program: Program = field(default_factory=Program)
 
     @property
-    def kv_key(self) -> str:
+    def kv_key(self) -> SessionBlocks:
         """Key of the session's own block table in the KV manager while parked."""
-        return f"session:{self.session_id}"
+        return SessionBlocks(self.session_id)

@@ -2,8 +2,30 @@
 
 Owns the `Session` objects; applies the residency policy's decisions through
 the mover; keeps the KV manager's tables consistent: a parked session's
-device blocks live under `session.kv_key`, a running turn's under its request
-id. No torch and no clock: `now_s` comes in with every call.
+device blocks live under `session.kv_key` (a `SessionBlocks`), a running
+turn's under its request id. No torch and no clock: `now_s` comes in with
+every call.
+
+A session's state::
+
+    open -> IDLE --begin_turn--> RUNNING --end_turn--> PARKED --begin_turn--> RUNNING --> ...
+    any state --close, or idle past the TTL--> CLOSED (its KV freed in every tier)
+
+Where a PARKED session's KV is (`Residency`), and what moves it::
+
+    DEVICE           -> OFFLOADING   OFFLOAD action: the mover writes a copy; device blocks still held
+    OFFLOADING       -> HOST | DISK  the copy landed: device blocks freed (their hashes kept)
+    OFFLOADING       -> DEVICE       the copy failed, or a turn began first (the copy is discarded)
+    HOST | DISK      -> RESTORING    PREFETCH action, or a turn began (the turn waits for it)
+    RESTORING        -> DEVICE       the restore landed: a waiting turn takes the blocks
+    RESTORING        -> NONE         the copy was corrupt or unreadable: recompute, never use it
+    DEVICE|HOST|DISK -> NONE         DROP action (full blocks stay in the prefix cache until evicted)
+    NONE                             the next turn recomputes what the prefix cache no longer holds
+
+A turn that begins while its session's KV is off device waits (`Session.waiting_turn`, the sequence
+`is_blocked`) until the restore lands; a restore that finds no free device blocks waits in
+`_restore_queue` and is retried each tick. Closing a session whose restore is under way renames its
+blocks to `SessionBlocks(id, closed=True)`, freed when the restore ends.
 """
 
 from __future__ import annotations
@@ -21,10 +43,10 @@ from sessionserve.core.residency_view import (
     ResidencyPolicy,
     ResidencyView,
 )
-from sessionserve.core.session import Residency, Session, SessionState, SessionStats
+from sessionserve.core.session import Residency, Session, SessionState, SessionStats, WaitingTurn
 from sessionserve.core.wait_predictor import WaitPredictor
 from sessionserve.types.kv_mover import KVMover, MoveDone, MoveKind, Tier
-from sessionserve.types.sequence import Sequence, SequenceStatus
+from sessionserve.types.sequence import Sequence, SequenceStatus, SessionBlocks
 
 
 class SessionBusyError(ValueError):
@@ -49,12 +71,12 @@ class SessionManager:
         self.costs = costs or MoveCosts(host_s_per_block=1e-4, disk_s_per_block=1e-3, recompute_s_per_token=1e-3)
         self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}
-        self._blocked: dict[str, tuple[Sequence, float]] = {}  # session id -> (turn waiting for its KV, since)
         # Restores waiting for device blocks, in request order (a dict, not a set: the retry order must not
         # depend on string hashing, so a run replays the same under any PYTHONHASHSEED).
-        self._pending_restore: dict[str, None] = {}
-        self._dropped_tokens: dict[str, int] = {}  # session id -> computed tokens lost by a drop
-        self._zombies: dict[str, str] = {}  # closed session id -> key of device blocks a restore still writes
+        self._restore_queue: dict[str, None] = {}
+        self._num_waiting_turns = 0  # sessions whose `waiting_turn` is set
+        # Closed sessions whose device blocks a restore still writes: freed when it ends.
+        self._closing: dict[str, SessionBlocks] = {}
         self._closed_stats = SessionStats()  # counters of closed sessions, for totals
         self.num_expired = 0
         self.num_corrupt_restores = 0
@@ -142,7 +164,7 @@ class SessionManager:
         if session is None or session.request_id != seq.request_id:
             return None
         self._touch(session.session_id)
-        if self._blocked.pop(session.session_id, None) is not None:
+        if self._take_waiting_turn(session) is not None:
             # Aborted while its KV was still coming back: the turn never ran, the session is as it was.
             session.request_id = None
             session.state = SessionState.PARKED
@@ -150,7 +172,7 @@ class SessionManager:
             self._note_idle(now_s)
             return session
         session.stats.num_computed_prompt_tokens += max(0, seq.num_prompt_tokens - (seq.num_cached_tokens or 0))
-        dropped = self._dropped_tokens.pop(session.session_id, 0)
+        dropped, session.num_dropped_tokens = session.num_dropped_tokens, 0
         session.stats.num_recompute_tokens += max(0, dropped - (seq.num_cached_tokens or 0))
         keep = seq.token_ids if seq.status is not SequenceStatus.FINISHED_ABORTED \
             else seq.token_ids[: max(seq.num_computed_tokens, seq.num_prompt_tokens)]
@@ -196,10 +218,9 @@ class SessionManager:
                 self._apply(ResidencyAction(ActionKind.DROP, session.session_id), session.last_active_s)
                 if session.residency is not Residency.NONE:  # moving: wait for the move, then drop
                     raise SessionMovingError(f"session {session.session_id!r} is being moved; retry")
-                self._dropped_tokens[session.session_id] = 0
+                session.num_dropped_tokens = 0
             else:
-                self._dropped_tokens[session.session_id] = min(self._dropped_tokens.get(session.session_id, 0),
-                                                               num_tokens)
+                session.num_dropped_tokens = min(session.num_dropped_tokens, num_tokens)
         session.token_ids = session.token_ids[:num_tokens]
 
     def set_wait(self, session_id: str, tools: tuple[str, ...] = (), wait_hint_s: float | None = None) -> None:
@@ -234,16 +255,16 @@ class SessionManager:
             setattr(self._closed_stats, f.name, getattr(self._closed_stats, f.name) + getattr(session.stats, f.name))
         if session.residency is Residency.RESTORING:
             # The mover is still writing these device blocks: free them only when it is done.
-            zombie = f"closed:{session_id}"
-            self.kv.rename(session.kv_key, zombie)
-            self._zombies[session_id] = zombie
+            closing = SessionBlocks(session_id, closed=True)
+            self.kv.rename(session.kv_key, closing)
+            self._closing[session_id] = closing
         else:
             self.kv.free(session.kv_key)
         if self.mover is not None:
             self.mover.discard(session_id)
-        self._blocked.pop(session_id, None)
-        self._pending_restore.pop(session_id, None)
-        self._dropped_tokens.pop(session_id, None)
+        self._take_waiting_turn(session)
+        self._restore_queue.pop(session_id, None)
+        session.num_dropped_tokens = 0
         session.residency = Residency.NONE
         for fn in self.on_close:
             fn(session_id)
@@ -257,7 +278,7 @@ class SessionManager:
             for done in self.mover.poll():
                 self._touch(done.session_id)
                 self._on_move_done(done, now_s)
-        for sid in list(self._pending_restore):
+        for sid in list(self._restore_queue):
             self._start_restore(self.sessions[sid])
         if self._oldest_idle_s is not None and now_s - self._oldest_idle_s > self.idle_ttl_s:
             self._expire(now_s)
@@ -290,7 +311,7 @@ class SessionManager:
         or ending): a residency decision coming due or a session expiring. `now_s` if the next tick must
         look anyway (inputs changed since the policy last ran, or restores wait for room); None if only
         an event can change anything."""
-        if self._pending_restore \
+        if self._restore_queue \
                 or self._decided != self._policy_inputs(num_wanted_blocks):
             return now_s
         expiry = None if self._oldest_idle_s is None else self._oldest_idle_s + self.idle_ttl_s
@@ -319,7 +340,7 @@ class SessionManager:
     def view(self, now_s: float, num_wanted_blocks: int) -> ResidencyView:
         self._entries.update(self.sessions, now_s)
         parked = self._entries.parked
-        wanted = num_wanted_blocks + sum(self._num_blocks(self.sessions[sid]) for sid in self._pending_restore)
+        wanted = num_wanted_blocks + sum(self._num_blocks(self.sessions[sid]) for sid in self._restore_queue)
         mover = self.mover
         return ResidencyView(
             now_s=now_s, parked=parked, num_device_blocks=self.kv.pool.num_blocks,
@@ -330,12 +351,13 @@ class SessionManager:
 
     @property
     def num_blocked(self) -> int:
-        return len(self._blocked)
+        """Turns waiting for their session's KV to come back."""
+        return self._num_waiting_turns
 
     @property
     def num_moves_pending(self) -> int:
         """Sessions with a move in flight (or blocks held for one): nonzero means not yet quiescent."""
-        return len(self._zombies) + sum(
+        return len(self._closing) + sum(
             1 for s in self.sessions.values() if s.residency in (Residency.OFFLOADING, Residency.RESTORING))
 
     def total_stats(self) -> SessionStats:
@@ -367,21 +389,28 @@ class SessionManager:
 
     def _block(self, session: Session, seq: Sequence, now_s: float) -> None:
         seq.is_blocked = True
-        self._blocked[session.session_id] = (seq, now_s)
+        session.waiting_turn = WaitingTurn(seq, now_s)
+        self._num_waiting_turns += 1
+
+    def _take_waiting_turn(self, session: Session) -> WaitingTurn | None:
+        turn, session.waiting_turn = session.waiting_turn, None
+        if turn is not None:
+            self._num_waiting_turns -= 1
+        return turn
 
     def _start_restore(self, session: Session) -> None:
         assert self.mover is not None
         n = self._num_blocks(session)
         if self.kv.allocate(session.kv_key, session.num_computed_tokens) is None:
-            self._pending_restore[session.session_id] = None  # retried each tick; the policy sees the demand
+            self._restore_queue[session.session_id] = None  # retried each tick; the policy sees the demand
             return
-        self._pending_restore.pop(session.session_id, None)
+        self._restore_queue.pop(session.session_id, None)
         self._touch(session.session_id)
         session.residency = Residency.RESTORING
         self.mover.restore(session.session_id, self.kv.block_tables[session.kv_key][:n])
 
     def _note_drop(self, session: Session) -> None:
-        self._dropped_tokens[session.session_id] = session.num_computed_tokens
+        session.num_dropped_tokens = session.num_computed_tokens
         session.num_computed_tokens = 0
         session.residency = Residency.NONE
         session.stored_tier = None
@@ -413,9 +442,9 @@ class SessionManager:
                 session.is_prefetched = True
 
     def _on_move_done(self, done: MoveDone, now_s: float) -> None:
-        zombie = self._zombies.pop(done.session_id, None)
-        if zombie is not None and done.kind is MoveKind.RESTORE:
-            self.kv.free(zombie)
+        closing = self._closing.pop(done.session_id, None)
+        if closing is not None and done.kind is MoveKind.RESTORE:
+            self.kv.free(closing)
         session = self.sessions.get(done.session_id)
         if session is None:
             return
@@ -445,9 +474,9 @@ class SessionManager:
             self.num_corrupt_restores += 1
             self.kv.free(session.kv_key)
             self._note_drop(session)
-        blocked = self._blocked.pop(session.session_id, None)
-        if blocked is not None:
-            seq, since_s = blocked
+        waiting = self._take_waiting_turn(session)
+        if waiting is not None:
+            seq, since_s = waiting
             session.stats.restore_blocked_s += now_s - since_s
             seq.restore_wait_s = now_s - since_s
             if session.residency is Residency.DEVICE:

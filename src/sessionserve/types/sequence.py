@@ -24,6 +24,19 @@ class Program:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionBlocks:
+    """The KV manager's key for a session's own device blocks between turns (a running turn's blocks are
+    under its request id). `closed`: blocks of a closed session that a restore still writes, freed when
+    the restore ends. A type of its own, so no request id can name a session's blocks."""
+
+    session_id: str
+    closed: bool = False
+
+
+BlockOwner = str | SessionBlocks  # the key of a block table in the KV manager: a request id, or a session
+
+
+@dataclass(frozen=True, slots=True)
 class ParkHint:
     """What a session turn will wait on once it ends, given with the turn so the residency policy's first
     decision on the parked session already has it: the client's expected tool time, and how to read the
@@ -80,7 +93,7 @@ class Sequence:
     error: str | None = None
     # Key that takes over the blocks when the sequence finishes (a session keeping
     # its KV between turns); None frees them.
-    kv_successor: str | None = None
+    kv_successor: SessionBlocks | None = None
     # Waiting for KV to come back from a lower tier: not schedulable yet.
     is_blocked: bool = False
     # Waiting at the door (core/admission.py): not started, not in the scheduler yet.
