@@ -6,26 +6,24 @@ abort); `sessionserve.llm.LLM` is the offline convenience on top of it.
 
 from __future__ import annotations
 
-import logging
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from sessionserve.cache.block_pool import BlockPool
 from sessionserve.cache.disk_tier import DiskTier
 from sessionserve.cache.host_prefix_cache import HostPrefixCache
 from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.kv_layout import KVLayout
-from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.cache.kv_store import KVStore, model_namespace
 from sessionserve.cache.kv_store_client import KVStoreClient
 from sessionserve.cache.mover import ThreadMover
 from sessionserve.config import Config
-from sessionserve.core.engine import EngineCore
-from sessionserve.core.residency import MoveCosts, make_policy
+from sessionserve.core.assembly import COST_UPDATE_STEPS, Mechanisms, assemble
+from sessionserve.core.residency import MoveCosts
 from sessionserve.core.session import Session
-from sessionserve.core.session_manager import SessionManager
 from sessionserve.core.spec import NgramProposer, Proposer, SpecPolicy
 from sessionserve.model.runner import ModelRunner
 from sessionserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -34,7 +32,6 @@ from sessionserve.types.kv_mover import Tier
 from sessionserve.types.sampling_params import SamplingParams
 from sessionserve.types.sequence import ParkHint, Sequence, SequenceStatus
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,23 +92,17 @@ class LLMEngine:
         self.model_dir = Path(model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         self.runner = ModelRunner(self.model_dir, config.model, config.cache, config.scheduler.max_model_len)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         eos = self.runner.arch.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id else ())
-        self.mover = self._make_mover(config)
-        self.kv_store = self._make_kv_store(config)
-        self.host_prefix_cache = None
-        if config.cache.host_prefix_cache_bytes and config.cache.enable_prefix_caching:
-            self.host_prefix_cache = HostPrefixCache(self.runner.kv_caches, self.kv.pool,
-                                                     config.cache.host_prefix_cache_bytes)
-            self.kv.pool.on_evict = self.host_prefix_cache.keep
-        if self.host_prefix_cache is not None or self.kv_store is not None:
-            self.kv.lower = self._load_lower
-        self.sessions = SessionManager(self.kv, self.mover, make_policy(config.session.residency_policy),
-                                       idle_ttl_s=config.session.session_idle_ttl_s,
-                                       max_sessions=config.session.max_sessions)
         proposer, spec_policy = self._make_proposer(config)
-        self.core = EngineCore(config.scheduler, self.kv, self.runner, clock, tuple(eos), self.runner.max_model_len,
-                               sessions=self.sessions, proposer=proposer, spec_policy=spec_policy)
+        parts = assemble(config, Mechanisms(
+            executor=self.runner, clock=clock, num_blocks=self.runner.num_blocks,
+            max_model_len=self.runner.max_model_len, eos_token_ids=tuple(eos),
+            mover=lambda: self._make_mover(config),
+            host_prefix_cache=lambda pool, budget: HostPrefixCache(self.runner.kv_caches, pool, budget),
+            shared_store=lambda pool: self._make_kv_store(config, pool),
+            proposer=proposer, spec_policy=spec_policy))
+        self.kv, self.sessions, self.core, self.mover = parts.kv, parts.sessions, parts.core, parts.mover
+        self.host_prefix_cache, self.kv_store = parts.host_prefix_cache, parts.shared_store
         self._clock = clock
         self._heap = HeapTrimmer()
         self._tracked: dict[str, _Tracked] = {}
@@ -173,10 +164,8 @@ class LLMEngine:
             return drafter, replace(policy, draft_cost=drafter.relative_cost)
         return None, policy
 
-    def _make_mover(self, config: Config) -> ThreadMover | None:
+    def _make_mover(self, config: Config) -> ThreadMover:
         sc = config.session
-        if sc.host_kv_bytes == 0 and sc.disk_kv_bytes == 0:
-            return None
         layout = KVLayout.from_kv_caches(self.runner.kv_caches)
         host = HostTier(layout, sc.host_kv_bytes, quantize_int8=sc.host_kv_int8,
                         pin_memory=self.runner.device.type == "cuda") if sc.host_kv_bytes else None
@@ -186,25 +175,12 @@ class LLMEngine:
             disk = DiskTier(layout, spool, sc.disk_kv_bytes)
         return ThreadMover(self.runner.kv_caches, host, disk)
 
-    def _load_lower(self, block_hashes: list[bytes]) -> int:
-        """The KV manager's lower tier: host memory first, then the shared folder. Never raises: what could
-        not be loaded is computed."""
-        num = 0
-        for tier in (self.host_prefix_cache, self.kv_store):
-            if tier is not None:
-                try:
-                    num += tier.load(block_hashes)
-                except Exception:  # noqa: BLE001 - a failed load costs a recompute, never the request
-                    logger.exception("loading KV blocks from %s failed", type(tier).__name__)
-        return num
-
-    def _make_kv_store(self, config: Config) -> KVStoreClient | None:
-        sc = config.session
-        if sc.kv_store_dir is None or not config.cache.enable_prefix_caching:
-            return None
+    def _make_kv_store(self, config: Config, pool: BlockPool) -> KVStoreClient:
+        assert config.session.kv_store_dir is not None
         layout = KVLayout.from_kv_caches(self.runner.kv_caches)
-        store = KVStore(sc.kv_store_dir, model_namespace(self.model_dir, layout), layout, sc.kv_store_bytes)
-        return KVStoreClient(store, self.runner.kv_caches, self.kv.pool)
+        store = KVStore(config.session.kv_store_dir, model_namespace(self.model_dir, layout), layout,
+                        config.session.kv_store_bytes)
+        return KVStoreClient(store, self.runner.kv_caches, pool)
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -292,7 +268,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for each request that advanced or finished."""
         outputs: list[RequestOutput] = []
-        if self.core.num_steps % 32 == 0:
+        if self.core.num_steps % COST_UPDATE_STEPS == 0:
             self.update_costs()
             self._heap.maybe_trim()
         for step_out in self.core.step():

@@ -1,19 +1,20 @@
-"""`SimEngine`: `EngineCore` assembled as `LLMEngine` assembles it, with simulated mechanisms.
+"""`SimEngine`: the engine assembled as `LLMEngine` assembles it (`core.assembly`), with simulated mechanisms.
 
-Same scheduler, session manager, residency policy (by name, from
-`core.residency.make_policy`), KV cache manager and prefix index; the model
-runner is replaced by `CostModelExecutor`, the mover thread by `VirtualMover`,
-`time.monotonic` by a `VirtualClock`. Token level only: no tokenizer.
+Same scheduler, admission door, session manager, residency policy, KV cache
+manager and prefix index; the model runner is replaced by
+`CostModelExecutor`, the mover thread by `VirtualMover`, the host prefix
+cache by `SimHostPrefixCache`, `time.monotonic` by a `VirtualClock`. Token
+level only: no tokenizer. Not modelled: the KV store shared by replicas
+(`--kv-store-dir`) and speculative decoding.
 """
 
 from __future__ import annotations
 
-from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import Config
-from sessionserve.core.engine import EngineCore, StepOutput
-from sessionserve.core.residency import MoveCosts, make_policy
+from sessionserve.core.assembly import COST_UPDATE_STEPS, Mechanisms, assemble
+from sessionserve.core.engine import StepOutput
+from sessionserve.core.residency import MoveCosts
 from sessionserve.core.session import Session
-from sessionserve.core.session_manager import SessionManager
 from sessionserve.sim.clock import VirtualClock
 from sessionserve.sim.executor import CostModelExecutor
 from sessionserve.sim.mover import VirtualMover
@@ -21,9 +22,6 @@ from sessionserve.sim.prefix_cache import SimHostPrefixCache
 from sessionserve.sim.profile import CostProfile
 from sessionserve.types.kv_mover import Tier, int8_block_bytes
 from sessionserve.types.sampling_params import SamplingParams
-
-# NOTE: how often the real engine refreshes the policy's costs (LLMEngine.step): same cadence here.
-COST_UPDATE_STEPS = 32
 
 
 class SimEngine:
@@ -33,35 +31,31 @@ class SimEngine:
         self.config = config
         self.profile = profile
         self.clock = clock or VirtualClock()
-        cc, sc = config.cache, config.session
+        cc = config.cache
         self.block_bytes = profile.model.kv_bytes_per_token * cc.block_size
-        num_blocks = cc.num_blocks or max(1, cc.kv_cache_bytes // self.block_bytes)
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.host_prefix_cache: SimHostPrefixCache | None = None
-        if cc.host_prefix_cache_bytes and cc.enable_prefix_caching:
-            self.host_prefix_cache = SimHostPrefixCache(self.kv.pool, self.clock,
-                                                        cc.host_prefix_cache_bytes // self.block_bytes,
-                                                        self.block_bytes / profile.host_copy_bytes_per_s)
-            self.kv.pool.on_evict = self.host_prefix_cache.keep
-            self.kv.lower = self.host_prefix_cache.load
-        self.mover: VirtualMover | None = None
-        if sc.host_kv_bytes or sc.disk_kv_bytes:
-            m = profile.model
-            host_block_bytes = (int8_block_bytes(self.block_bytes, m.kv_dtype_bytes, m.head_dim) if sc.host_kv_int8
-                                else self.block_bytes)
-            self.mover = VirtualMover(self.clock, self.block_bytes, sc.host_kv_bytes // host_block_bytes,
-                                      sc.disk_kv_bytes // self.block_bytes, profile.host_copy_bytes_per_s,
-                                      profile.disk_copy_bytes_per_s, profile.move_latency_s)
-        self.sessions = SessionManager(self.kv, self.mover, make_policy(sc.residency_policy),
-                                       idle_ttl_s=sc.session_idle_ttl_s, max_sessions=sc.max_sessions,
-                                       costs=self._costs(None))
         # A token that is no end of sequence: turns run to max_tokens.
         self.executor = CostModelExecutor(profile.step, self.clock, token_id=profile.model.vocab_size // 2)
-        max_model_len = min(config.scheduler.max_model_len or profile.model.max_model_len,
-                            profile.model.max_model_len)
-        self.core = EngineCore(config.scheduler, self.kv, self.executor, self.clock, (), max_model_len,
-                               sessions=self.sessions)
+        parts = assemble(config, Mechanisms(
+            executor=self.executor, clock=self.clock,
+            num_blocks=cc.num_blocks or max(1, cc.kv_cache_bytes // self.block_bytes),
+            max_model_len=min(config.scheduler.max_model_len or profile.model.max_model_len,
+                              profile.model.max_model_len),
+            mover=self._make_mover,
+            host_prefix_cache=lambda pool, budget: SimHostPrefixCache(
+                pool, self.clock, budget // self.block_bytes, self.block_bytes / profile.host_copy_bytes_per_s),
+            costs=self._costs(None), indexed_policy=True))
+        self.kv, self.sessions, self.core = parts.kv, parts.sessions, parts.core
+        self.mover: VirtualMover | None = parts.mover  # type: ignore[assignment]
+        self.host_prefix_cache = parts.host_prefix_cache
         self._next_id = 0
+
+    def _make_mover(self) -> VirtualMover:
+        sc, m, p = self.config.session, self.profile.model, self.profile
+        host_block_bytes = (int8_block_bytes(self.block_bytes, m.kv_dtype_bytes, m.head_dim) if sc.host_kv_int8
+                            else self.block_bytes)
+        return VirtualMover(self.clock, self.block_bytes, sc.host_kv_bytes // host_block_bytes,
+                            sc.disk_kv_bytes // self.block_bytes, p.host_copy_bytes_per_s,
+                            p.disk_copy_bytes_per_s, p.move_latency_s)
 
     @property
     def max_model_len(self) -> int:
