@@ -77,8 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from sessionserve.llm_engine import LLMEngine
     from sessionserve.obs.cpu_roles import parse_cpus
     from sessionserve.obs.tracing import Tracer, configure_logging
-    from sessionserve.server.app import create_app
-    from sessionserve.server.auth import Auth
+    from sessionserve.server import Auth, create_app
 
     configure_logging(logging.INFO)
     def config(spool_dir: str | None) -> Config:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sessionserve.core.conversation_index import ConversationIndex
+from sessionserve.server.conversation_index import ConversationIndex
 from sessionserve.core.session import Session, SessionState
 from sessionserve.server.implicit import ImplicitSessions, is_implicit
 from tests.server.conftest import LiveServer

@@ -49,7 +49,9 @@ def stand_in_tree(root: Path, extra: dict[str, str]) -> Path:
         sub = package.joinpath(*name.split(".")[1:])
         sub.mkdir(parents=True, exist_ok=True)
         (sub / "__init__.py").write_text("")
-    for rel, source in extra.items():
+    # The one import the contracts let the server make into the core (an unmatched exception is an error).
+    base = {"core/session.py": "", "server/bridge/__init__.py": "from sessionserve.core import session\n"}
+    for rel, source in {**base, **extra}.items():
         (package / rel).write_text(source)
     return root
 
@@ -57,7 +59,9 @@ def stand_in_tree(root: Path, extra: dict[str, str]) -> Path:
 def test_stand_in_tree_without_forbidden_imports_passes(tmp_path: Path) -> None:
     """The contracts accept the stand-in tree as it is, so a failure below is the added import's doing."""
     tree = stand_in_tree(tmp_path, {"core/engine.py": "from sessionserve.types import executor\n",
-                                    "model/runner.py": "import sessionserve.cache\nimport sessionserve.types\n"})
+                                    "model/runner.py": "import sessionserve.cache\nimport sessionserve.types\n",
+                                    "server/app.py": "from sessionserve.server import bridge\n",
+                                    "router/ingress.py": "from sessionserve import server\n"})
     result = lint(tree)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -68,6 +72,9 @@ def test_stand_in_tree_without_forbidden_imports_passes(tmp_path: Path) -> None:
     ("config/knobs.py", "from sessionserve import core\n", "sessionserve.config.knobs -> sessionserve.core"),
     ("core/planner.py", "import sessionserve.model\n", "sessionserve.core.planner -> sessionserve.model"),
     ("server/routes.py", "import sessionserve.router\n", "sessionserve.server.routes -> sessionserve.router"),
+    ("server/routes.py", "from sessionserve.core import session\n", "sessionserve.server.routes -> sessionserve.core"),
+    ("router/ingress.py", "from sessionserve.server.bridge import x\n",
+     "sessionserve.router.ingress -> sessionserve.server.bridge"),
 ])
 def test_forbidden_import_is_caught(tmp_path: Path, path: str, source: str, chain: str) -> None:
     result = lint(stand_in_tree(tmp_path, {path: source}))

@@ -53,8 +53,7 @@ class Ingress:
         from sessionserve.llm import resolve_model_path
         from sessionserve.model.tokenizer import Tokenizer
         from sessionserve.router.store import make_store
-        from sessionserve.server.response_store import make_response_store
-        from sessionserve.server.auth import Auth
+        from sessionserve.server import Auth, make_response_store
 
         self.engine = engine
         self.options = options
@@ -69,10 +68,7 @@ class Ingress:
     # -- routing key ---------------------------------------------------------------------------
 
     def route_of(self, method: str, path: str, headers: dict[str, str], body: bytes) -> RoutedRequest:
-        from sessionserve.server.auth import tenant_salt
-        from sessionserve.server.protocol import valid_session_id
-        from sessionserve.server.route_hint import route_hint
-        from sessionserve.server.turn.identity import session_key
+        from sessionserve.server import route_hint, session_key, tenant_salt, valid_session_id
 
         key = headers.get("x-api-key")
         tenant = self.auth.tenant_for(headers.get("authorization") or (key and f"Bearer {key}")) or "default"

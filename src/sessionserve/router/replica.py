@@ -40,7 +40,7 @@ from typing import Any
 from sessionserve.obs.cpu_roles import ENGINE
 from sessionserve.router.policy import RouteKey
 from sessionserve.router.store import SessionRecord, make_store
-from sessionserve.server.route_hint import TURN_PATHS
+from sessionserve.server import TURN_PATHS
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +134,7 @@ class EngineReplica:
         from sessionserve.config import Config
         from sessionserve.llm import resolve_model_path
         from sessionserve.llm_engine import LLMEngine
-        from sessionserve.server.app import create_app
-        from sessionserve.server.auth import Auth
-        from sessionserve.server.response_store import make_response_store
+        from sessionserve.server import Auth, create_app, make_response_store
 
         self.options = options
         self.replica_id = serve.get_replica_context().replica_id.unique_id

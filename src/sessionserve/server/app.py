@@ -35,14 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from sessionserve.config import ServerConfig
-from sessionserve.core.admission import AdmissionFull
-from sessionserve.core.session_manager import SessionBusyError
 from sessionserve.llm_engine import LLMEngine
 from sessionserve.obs.cpu_roles import ENGINE, TOKENIZE, CpuRoles, RoleMeter, RolePool
 from sessionserve.obs.metrics import Metrics
 from sessionserve.obs.tracing import Tracer, request_id_var
 from sessionserve.server.auth import Auth
-from sessionserve.server.bridge import AsyncEngine, EngineDead, EngineOverloaded
+from sessionserve.server.bridge import AdmissionFull, AsyncEngine, EngineDead, EngineOverloaded, SessionBusyError
 from sessionserve.server.implicit import ImplicitSessions
 from sessionserve.server.model_route import ModelRoutePolicy
 from sessionserve.server.protocol import OpenAIError, format_validation_errors, model_card

@@ -18,10 +18,18 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+# The engine's own names the server uses (its errors and session states) come through here: the server
+# reaches the engine's core only through the bridge (an import contract).
+from sessionserve.core.admission import AdmissionFull
+from sessionserve.core.session import Session, SessionState
+from sessionserve.core.session_manager import SessionBusyError, SessionMovingError
 from sessionserve.llm_engine import LLMEngine, RequestOutput
 from sessionserve.obs.cpu_roles import pin_current_thread
 from sessionserve.types.sampling_params import SamplingParams
 from sessionserve.types.sequence import ParkHint
+
+__all__ = ["STALLED_WAIT_S", "AdmissionFull", "AsyncEngine", "EngineDead", "EngineOverloaded", "OutputStream",
+           "Session", "SessionBusyError", "SessionMovingError", "SessionState", "Turn"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

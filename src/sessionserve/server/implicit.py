@@ -25,9 +25,9 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from sessionserve.core.conversation_index import ConversationIndex
-from sessionserve.core.session import SessionState
 from sessionserve.llm_engine import LLMEngine
+from sessionserve.server.bridge import SessionState
+from sessionserve.server.conversation_index import ConversationIndex
 
 # Implicit session ids start with a character client-chosen ids cannot contain.
 IMPLICIT_PREFIX = "~"

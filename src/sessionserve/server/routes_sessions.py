@@ -27,7 +27,7 @@ from sessionserve.server.turn.identity import session_key
 from sessionserve.server.turn.pipeline import check_session_limit
 
 if TYPE_CHECKING:
-    from sessionserve.core.session import Session
+    from sessionserve.server.bridge import Session
     from sessionserve.server.app import ModelSlot, ServerState
 
 

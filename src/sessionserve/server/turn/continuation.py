@@ -32,8 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sessionserve.core.session import SessionState
-from sessionserve.core.session_manager import SessionBusyError
+from sessionserve.server.bridge import SessionBusyError, SessionState
 from sessionserve.server.turn.render import continuation_text, render_chat
 from sessionserve.server.turn.types import Continuation, SessionPoint, ToolCall
 

@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from sessionserve.core.session_manager import SessionMovingError
 from sessionserve.server import protocol as P
 from sessionserve.server.app import engine_error
 from sessionserve.server.auth import tenant_salt
-from sessionserve.server.bridge import OutputStream, Turn
+from sessionserve.server.bridge import OutputStream, SessionMovingError, Turn
 from sessionserve.server.turn.continuation import NeedFullPrompt
 from sessionserve.types.guided import GuidedDecoding
 from sessionserve.types.sampling_params import SamplingParams
