@@ -310,3 +310,32 @@ def test_padded_model_vocab_is_masked_and_bad_specs_raise(tiny_llama: Path, tmp_
         compiler.compile(GuidedDecoding.json_schema({"type": "no-such-type"}))
     with pytest.raises(ValueError):
         compiler.compile(GuidedDecoding.tool_calls([{"name": "f", "parameters": {"type": "no-such-type"}}]))
+
+
+def test_a_grammar_that_compiles_too_large_is_refused_by_the_compiler_child(tiny_llama: Path) -> None:
+    """Loading a compiled grammar holds the server's interpreter (~40 ms per MiB): past the size bound the
+    child answers with an error for the request instead of the grammar."""
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    from sessionserve.model import grammar_worker
+
+    ours, theirs = socket.socketpair()
+    child = threading.Thread(target=grammar_worker._serve, args=(Connection(theirs.detach()), str(tiny_llama), None),
+                             kwargs={"max_bytes": 64 * 1024}, daemon=True)
+    child.start()
+    conn = Connection(ours.detach())
+    assert conn.recv() == "ready"
+    small = GuidedDecoding.json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
+    conn.send(small)
+    ok, payload = conn.recv()
+    assert ok and 0 < len(payload) <= 64 * 1024
+    many = GuidedDecoding.json_schema({"type": "object", "properties": {"v": {"enum": [f"v{i}" for i in range(3000)]}},
+                                       "required": ["v"]})
+    conn.send(many)
+    ok, message = conn.recv()
+    assert not ok, len(message)
+    assert "MiB allowed" in message, message
+    conn.close()
+    child.join(10)

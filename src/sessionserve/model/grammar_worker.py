@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import socket
 import subprocess
@@ -25,6 +26,11 @@ from sessionserve.types.guided import GuidedDecoding
 
 # Starting a child (imports, the tokenizer's grammar view) is not the request's time.
 _START_TIMEOUT_S = 120.0
+CHILD_NICENESS = 10  # how much lower than the server the children's CPU priority is
+# The largest compiled grammar a child sends back. Loading one into the server takes the interpreter for
+# about 40 ms per MiB (a 20,000-value enum compiles to 50 MiB: 2 s in which no other request's token is
+# sent), so a constraint that compiles larger is the request's 400.
+MAX_GRAMMAR_BYTES = 16 * 2**20
 
 
 class GrammarTimeout(ValueError):
@@ -134,7 +140,8 @@ class _Child:
         self._process, self._conn = None, None
 
 
-def _serve(conn: Connection, model_dir: str, stop_token_ids: tuple[int, ...] | None) -> None:
+def _serve(conn: Connection, model_dir: str, stop_token_ids: tuple[int, ...] | None,
+           max_bytes: int = MAX_GRAMMAR_BYTES) -> None:
     """The child: compile what the parent sends until the connection closes."""
     from sessionserve.model.structured import GrammarCompiler
 
@@ -146,12 +153,22 @@ def _serve(conn: Connection, model_dir: str, stop_token_ids: tuple[int, ...] | N
         except (EOFError, OSError):
             return
         try:
-            conn.send((True, compiler.compile(guided).serialize_json()))
+            serialized = compiler.compile(guided).serialize_json()
         except ValueError as exc:
             conn.send((False, str(exc)))
+            continue
+        if len(serialized) > max_bytes:
+            conn.send((False, f"the {guided.kind} constraint compiles to {len(serialized) / 2**20:.0f} MiB, more than "
+                              f"the {max_bytes / 2**20:.0f} MiB allowed; simplify it (fewer properties, enum values "
+                              f"or nesting levels)"))
+        else:
+            conn.send((True, serialized))
 
 
 if __name__ == "__main__":
+    # Below the engine in the CPU's queue: a compile (or this child's start, torch's import included) takes
+    # what the engine leaves, never a core from under its step. The limit in `timeout_s` still applies.
+    os.nice(CHILD_NICENESS)
     model_dir, stop_ids = json.loads(sys.argv[2])
     with contextlib.suppress(OSError, EOFError):  # the server went away (or stopped this child): just end
         _serve(Connection(int(sys.argv[1])), model_dir, tuple(stop_ids) if stop_ids else None)
