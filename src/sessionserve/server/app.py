@@ -121,6 +121,10 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
         route = default_route(engines)
     if route is not None and not {route.large, route.small} <= set(engines):
         raise ValueError(f"route models {route.large!r}/{route.small!r} are not all served")
+    for e in engines.values():
+        # The structured-output compiler is loaded now, not on the first request that asks for a grammar:
+        # importing it holds the interpreter for about a second, a stall in every stream then in flight.
+        e.runner.grammar_compiler  # noqa: B018
     name = next(iter(engines))
     metrics = Metrics(name)
     roles = CpuRoles()
