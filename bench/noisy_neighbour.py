@@ -5,8 +5,11 @@ temperature 0, 30-60 tokens each, a few at a time. First alone (the quiet
 run), then while Bob (`key-bob`) sends the adversarial corpus
 (tests/reliability/adversarial.py: huge seeds and bodies, token ids past the
 vocabulary, pathological schemas, floods, hang-ups, ...) and then fuzzed
-requests, then alone again. Bob runs in a process of his own, as another
-client would (his request building does not take the server's GIL).
+requests, then alone again. Alice and Bob each run in a process of their own,
+as other clients would (their HTTP clients do not take the server's
+interpreter), and Bob's runs below the server's CPU priority: on a shared
+2-core machine his process would otherwise take a core from the server, which
+measures the machine, not the server's isolation of his requests.
 
 What must hold: every stream of Alice's completes with the text of the quiet
 run; her p99 inter-token gap stays within 2x the quiet run's just before; no
@@ -18,7 +21,7 @@ idle with every KV block free and /health is fast.
     .venv/bin/python bench/noisy_neighbour.py --fuzz 0 --case "seed 2**70 /v1/chat/completions"
 
 The server runs in this process (engine thread + uvicorn on a free 127.0.0.1
-port). tests/reliability/test_noisy_neighbour.py runs the same driver with a
+port); Alice is tests/reliability/bystander.py. tests/reliability/test_noisy_neighbour.py runs the same driver with a
 few hundred fuzzed requests.
 """
 
@@ -28,12 +31,12 @@ import argparse
 import concurrent.futures
 import json
 import multiprocessing
+import os
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import httpx
 
@@ -42,118 +45,9 @@ if str(ROOT) not in sys.path:  # the corpus lives with the tests
     sys.path.insert(0, str(ROOT))
 
 from tests.reliability import adversarial, fuzz_bodies  # noqa: E402
+from tests.reliability.bystander import Bystander, StreamResult  # noqa: E402
 
-ALICE_KEY = "key-alice"
-# Alice's prompts and how many tokens each streams (ignore_eos: the count is fixed).
-PROMPTS: tuple[tuple[str, int], ...] = (
-    ("Summarize the design of a paged KV cache in two sentences.", 30),
-    ("List three ways a scheduler can keep latency low for interactive users.", 36),
-    ("Write a haiku about a server that never stalls.", 42),
-    ("Explain what a noisy neighbour is in a shared inference service.", 48),
-    ("def fibonacci(n):\n    # complete this function", 54),
-    ("Translate to French: the quick brown fox jumps over the lazy dog.", 60),
-)
 GAP_RATIO_TARGET = 2.0  # the issue's bound on noisy p99 / quiet p99
-
-
-class StreamResult(NamedTuple):
-    """One of Alice's streams: what came back and when."""
-
-    prompt_index: int
-    phase: str
-    status: int
-    text: str
-    finish_reason: str | None
-    num_tokens: int
-    ttft_s: float | None
-    token_times: tuple[float, ...]  # wall clock (time.time()) of each content chunk
-    error: str | None  # why it failed (None: it completed)
-
-    def gaps(self, start: float = 0.0, end: float = float("inf")) -> list[float]:
-        """Gaps between consecutive content chunks, of those that end in [start, end)."""
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:]) if start <= b < end]
-
-
-def stream_once(client: httpx.Client, prompt_index: int, phase: str, request_id: str) -> StreamResult:
-    prompt, max_tokens = PROMPTS[prompt_index]
-    body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    t0 = time.time()
-    times: list[float] = []
-    parts: list[str] = []
-    finish, num_tokens, error, status = None, 0, None, 0
-    try:
-        with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Request-ID": request_id}) as r:
-            status = r.status_code
-            if status != 200:
-                return StreamResult(prompt_index, phase, status, "", None, 0, None, (), r.read()[:300].decode())
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[len("data: "):])
-                if "error" in event:
-                    error = f"error event: {event['error']}"
-                    break
-                if event.get("usage"):
-                    num_tokens = event["usage"]["completion_tokens"]
-                for choice in event.get("choices", ()):
-                    if choice["delta"].get("content"):
-                        times.append(time.time())
-                        parts.append(choice["delta"]["content"])
-                    finish = choice.get("finish_reason") or finish
-    except httpx.HTTPError as exc:
-        error = f"transport: {type(exc).__name__}: {exc}"
-    if error is None and (finish != "length" or num_tokens != max_tokens):
-        error = f"ended early: finish_reason={finish} tokens={num_tokens}/{max_tokens}"
-    return StreamResult(prompt_index, phase, status, "".join(parts), finish, num_tokens,
-                        times[0] - t0 if times else None, tuple(times), error)
-
-
-class Bystander:
-    """Alice: `num_streams` streams at a time over PROMPTS, each worker under a fixed X-Request-ID."""
-
-    def __init__(self, url: str, num_streams: int = 2) -> None:
-        self.url = url
-        self.num_streams = num_streams
-        self.phase = ""
-        self.results: list[StreamResult] = []
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-
-    @property
-    def request_ids(self) -> tuple[str, ...]:
-        return tuple(f"alice-stream-{w}" for w in range(self.num_streams))
-
-    def _work(self, worker: int, num_per_worker: int | None) -> None:
-        with httpx.Client(base_url=self.url, timeout=120, headers={"Authorization": f"Bearer {ALICE_KEY}"}) as c:
-            i = worker
-            while not self._stop.is_set() and (num_per_worker is None or i - worker < num_per_worker):
-                result = stream_once(c, i % len(PROMPTS), self.phase, self.request_ids[worker])
-                self.results.append(result)  # list.append is atomic
-                i += 1
-
-    def start(self, phase: str, num_per_worker: int | None = None) -> None:
-        self.phase, self.results = phase, []
-        self._stop.clear()
-        self._threads = [threading.Thread(target=self._work, args=(w, num_per_worker), daemon=True)
-                         for w in range(self.num_streams)]
-        for t in self._threads:
-            t.start()
-
-    def stop(self) -> list[StreamResult]:
-        """Let each worker finish its current stream; return every stream since `start`."""
-        self._stop.set()
-        for t in self._threads:
-            t.join()
-        return self.results
-
-    def run_rounds(self, phase: str, num_rounds: int) -> list[StreamResult]:
-        """Every prompt `num_rounds` times (split over the workers), then stop."""
-        self.start(phase, num_per_worker=-(-num_rounds * len(PROMPTS) // self.num_streams))
-        for t in self._threads:
-            t.join()
-        return self.stop()
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -258,7 +152,9 @@ def run_noisy_neighbour(url: str, target: adversarial.Target, *, case_names: lis
     target = adversarial.Target(**{**asdict(target), "victim_request_ids": alice.request_ids})
     report = NoisyReport()
     ctx = multiprocessing.get_context("spawn")  # not fork: this process runs the engine's threads
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as bob:
+    # Bob is a client: on a shared 2-core machine his process runs below the server's priority, so what is
+    # measured is the server's isolation of his requests, not the CPU his own process takes from it.
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=os.nice, initargs=(10,)) as bob:
         bob.submit(adversarial.case_names).result()  # Bob's process is up and has the corpus loaded
         alice.run_rounds("warm-up", 1)
         before = alice.run_rounds("quiet-before", quiet_rounds)
