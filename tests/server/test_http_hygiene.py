@@ -157,6 +157,20 @@ def _nested(depth: int) -> str:
     return "[" * depth + "]" * depth
 
 
+@pytest.mark.parametrize(("text", "nests_past"), [
+    ('{"a": "' + "[" * 200 + '"}', False),  # brackets only inside a string
+    ('{"a": ' + "[" * 100 + "1" + "]" * 100 + "}", False),  # 101 levels
+    ('{"a": ' + "[" * 128 + "1" + "]" * 128 + "}", True),  # 129
+    ('{"prompt": ' + json.dumps(list(range(5000))) + "}", False),  # few brackets: no scan needed
+])
+def test_nesting_is_judged_on_the_text(text: str, nests_past: bool) -> None:
+    from sessionserve.server.app import _decode_json, json_text_depth
+
+    body, depth = _decode_json(text.encode(), 128)
+    assert body == json.loads(text)
+    assert (depth > 128) is nests_past and (json_text_depth(text.encode()) > 128) is nests_past
+
+
 @pytest.mark.parametrize("depth", [128, 900, 5_000, 200_000])  # plus the body object: 129 levels and up
 def test_deeply_nested_bodies_are_400_and_the_connection_lives_on(server: LiveServer, depth: int) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as c:

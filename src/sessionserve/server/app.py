@@ -319,7 +319,8 @@ async def read_json(request: Request) -> dict[str, Any]:
 
 
 def _decode_json(raw: bytes, max_depth: int) -> tuple[Any, int]:
-    """The decoded body and how deep it nests (a 400 when it is not JSON)."""
+    """The decoded body and how deep it nests, or a number of levels no larger than `max_depth` when it does
+    not nest past it (a 400 when it is not JSON)."""
     try:
         body = json.loads(raw) if raw else None
     except RecursionError:  # nested past Python's own limit (about 1,000 levels)
@@ -327,7 +328,11 @@ def _decode_json(raw: bytes, max_depth: int) -> tuple[Any, int]:
     except ValueError as exc:  # not JSON, not UTF-8, or a number too long to convert (over 4,300 digits)
         raise OpenAIError(400, f"Request body is not valid JSON: {exc}", "invalid_request_error",
                           code="invalid_json") from None
-    return body, json_text_depth(raw)
+    # A text with no more brackets than the limit cannot nest past it: a long prompt or a list of token ids
+    # skips the scan (counting bytes is ~100x faster than the scan, which holds the interpreter ~50 ms for
+    # 4 MiB, a gap in every stream then in flight).
+    brackets = raw.count(b"[") + raw.count(b"{")
+    return body, (brackets if brackets <= max_depth else json_text_depth(raw))
 
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
