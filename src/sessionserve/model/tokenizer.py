@@ -36,6 +36,9 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from sessionserve.types.guided import ToolFormat, tool_format_of
 
+# Texts at least this long are tokenized without holding the interpreter (see `Tokenizer.encode`).
+RELEASE_GIL_CHARS = 4096
+
 
 class JsonArguments(dict):
     """Tool-call arguments a client sent as JSON text (OpenAI's form), as the template sees them.
@@ -198,7 +201,12 @@ class Tokenizer:
         return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # `encode` holds the interpreter while it runs (seconds for megabytes: every other thread, the engine's
+        # included, waits); `encode_batch` lets it go, so a long text takes the batch path.
+        if len(text) >= RELEASE_GIL_CHARS:
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids

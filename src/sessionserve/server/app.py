@@ -125,6 +125,7 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
         # The structured-output compiler is loaded now, not on the first request that asks for a grammar:
         # importing it holds the interpreter for about a second, a stall in every stream then in flight.
         e.runner.grammar_compiler  # noqa: B018
+        e.tokenizer.max_token_chars  # noqa: B018 - the prompt size bound's vocabulary scan, likewise
     name = next(iter(engines))
     metrics = Metrics(name)
     roles = CpuRoles()
