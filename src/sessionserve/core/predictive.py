@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -250,10 +251,7 @@ class PredictivePolicy:
         if self.indexed:
             return self._decide_indexed(view)
         c, now = view.costs, view.now_s
-        reserve = int(self.low_watermark * view.num_device_blocks)
-        need = pressure(view) + max(0, reserve - view.num_free_device_blocks)
-        if need > 0:  # moves out already under way free their blocks shortly: no second eviction for them
-            need -= sum(s.num_freed_blocks for s in view.parked if s.residency is Residency.OFFLOADING)
+        reserve, need = self._reserve_and_need(view)
         on_device = [(i, s) for i, s in enumerate(view.parked) if s.residency is Residency.DEVICE]
         if need > 0:
             # Sessions whose blocks all stay (others read them) last; then farthest next use; then view order.
@@ -276,14 +274,9 @@ class PredictivePolicy:
             host_free -= s.num_blocks if action.tier is Tier.HOST else 0
             disk_free -= s.num_blocks if action.tier is Tier.DISK else 0
             need -= s.num_freed_blocks
-        room = view.num_free_device_blocks - reserve - pressure(view)
         due = sorted((self.remaining_s(s, now), i, s) for i, s in enumerate(view.parked)
                      if s.residency in (Residency.HOST, Residency.DISK) and self.is_due(s, now, c))
-        for _, _, s in due:
-            if s.num_blocks <= room:
-                actions.append(ResidencyAction(ActionKind.PREFETCH, s.session_id))
-                room -= s.num_blocks
-        return tuple(actions)
+        return (*actions, *self._prefetch(view, reserve, (s for _, _, s in due)))
 
     def is_long(self, s: ParkedSession, now_s: float, c: MoveCosts) -> bool:
         """On device, and its expected remaining wait is above `keep_threshold_s` (read as `_above_until`
@@ -297,10 +290,7 @@ class PredictivePolicy:
     def _decide_indexed(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
         """`decide`, from the index's per-session states."""
         c, now = view.costs, view.now_s
-        reserve = int(self.low_watermark * view.num_device_blocks)
-        need = pressure(view) + max(0, reserve - view.num_free_device_blocks)
-        if need > 0:  # moves out already under way free their blocks shortly: no second eviction for them
-            need -= sum(s.num_freed_blocks for s in view.parked if s.residency is Residency.OFFLOADING)
+        reserve, need = self._reserve_and_need(view)
         actions: list[ResidencyAction] = []
         host_free, disk_free = view.num_free_host_blocks, view.num_free_disk_blocks
         index = self._index
@@ -340,16 +330,26 @@ class PredictivePolicy:
             need -= s.num_freed_blocks
 
         # Prefetch: soonest predicted resume first, into room above the watermark.
+        due = sorted((self.remaining_s(s, now), parked.index(s), s) for s in (memo[sid].entry for sid in index.due))
+        return (*actions, *self._prefetch(view, reserve, (s for _, _, s in due)))
+
+    def _reserve_and_need(self, view: ResidencyView) -> tuple[int, int]:
+        """Blocks kept free for arriving work, and how many blocks the device must free now."""
+        reserve = int(self.low_watermark * view.num_device_blocks)
+        need = pressure(view) + max(0, reserve - view.num_free_device_blocks)
+        if need > 0:  # moves out already under way free their blocks shortly: no second eviction for them
+            need -= sum(s.num_freed_blocks for s in view.parked if s.residency is Residency.OFFLOADING)
+        return reserve, need
+
+    def _prefetch(self, view: ResidencyView, reserve: int, due: Iterable[ParkedSession]) -> list[ResidencyAction]:
+        """Prefetches of the `due` sessions, in order, each that fits the room left above the watermark."""
         room = view.num_free_device_blocks - reserve - pressure(view)
-        if index.due:
-            due = sorted((self.remaining_s(s, now), parked.index(s), s)
-                         for s in (memo[sid].entry for sid in index.due))
-            for _, _, s in due:
-                if s.num_blocks > room:
-                    continue
+        actions = []
+        for s in due:
+            if s.num_blocks <= room:
                 actions.append(ResidencyAction(ActionKind.PREFETCH, s.session_id))
                 room -= s.num_blocks
-        return tuple(actions)
+        return actions
 
     def leave(self, s: ParkedSession, remaining_s: float, host_free: int, disk_free: int,
               c: MoveCosts) -> ResidencyAction:
