@@ -4,9 +4,11 @@ back by that family's parser. Also the compiler's mask details."""
 
 from __future__ import annotations
 
+import os
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -313,8 +315,7 @@ def test_padded_model_vocab_is_masked_and_bad_specs_raise(tiny_llama: Path, tmp_
 
 
 def test_a_grammar_that_compiles_too_large_is_refused_by_the_compiler_child(tiny_llama: Path) -> None:
-    """Loading a compiled grammar holds the server's interpreter (~40 ms per MiB): past the size bound the
-    child answers with an error for the request instead of the grammar."""
+    """The child answers with the compiled size, and past the size bound with an error for the request."""
     import socket
     import threading
     from multiprocessing.connection import Connection
@@ -329,8 +330,8 @@ def test_a_grammar_that_compiles_too_large_is_refused_by_the_compiler_child(tiny
     assert conn.recv() == "ready"
     small = GuidedDecoding.json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
     conn.send(small)
-    ok, payload = conn.recv()
-    assert ok and 0 < len(payload) <= 64 * 1024
+    ok, size = conn.recv()
+    assert ok and 0 < size <= 64 * 1024
     many = GuidedDecoding.json_schema({"type": "object", "properties": {"v": {"enum": [f"v{i}" for i in range(3000)]}},
                                        "required": ["v"]})
     conn.send(many)
@@ -339,3 +340,37 @@ def test_a_grammar_that_compiles_too_large_is_refused_by_the_compiler_child(tiny
     assert "MiB allowed" in message, message
     conn.close()
     child.join(10)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priority is Linux's")
+def test_compile_threads_run_below_the_server_and_leave_its_priority_alone(tiny_llama: Path) -> None:
+    """A compile the child passed runs again in the server on a thread at the lowest priority: the same grammar,
+    while the calling thread (an engine or event-loop thread) keeps the server's."""
+    import threading
+
+    from sessionserve.model.grammar_worker import COMPILE_NICENESS, lower_thread_priority
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[int] = []
+
+    def probe() -> None:
+        lower_thread_priority()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert seen == [max(before, COMPILE_NICENESS)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    compiler = GrammarCompiler(tiny_llama)
+    compiler.use_worker(30.0)
+    try:
+        g = GuidedDecoding.json_schema(PERSON)
+        compiled = compiler.compile(g)
+        assert compiler.compile(g) is compiled  # cached
+        assert compiled.memory_size_bytes == GrammarCompiler(tiny_llama)._compile(g).memory_size_bytes
+        with pytest.raises(ValueError):
+            compiler.compile(GuidedDecoding.json_schema({"type": "no-such-type"}))
+    finally:
+        compiler.close()
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

@@ -1,12 +1,20 @@
-"""Compile grammars in child processes, so that one that takes too long can be stopped.
+"""Try grammars in child processes first, so that one that takes too long can be stopped.
 
 A JSON schema of a few kilobytes can take xgrammar minutes to compile (thousands
 of properties, a deep nesting, a huge enum), and neither a thread nor xgrammar
-can be interrupted. Each child compiles one grammar at a time and sends it back
-serialized; past `timeout_s` it is killed (and started again for the next one),
-and the request that asked gets a clear error. Two children by default, so one
-slow schema does not hold up everyone else's; a crash inside the compiler ends
-a child, not the server.
+can be interrupted. Each child compiles one grammar at a time and answers
+whether it compiled, and how large; past `timeout_s` it is killed (and started
+again for the next one), and the request that asked gets a clear error. Two
+children by default, so one slow schema does not hold up everyone else's; a
+crash inside the compiler ends a child, not the server.
+
+The server then compiles a grammar that passed again itself, on a thread below
+its own priority (`lower_thread_priority`): xgrammar lets go of the interpreter
+while it compiles, whereas loading a compiled grammar sent back would hold it
+(~40 ms per serialized MiB, and 40 tools serialize to 3 MiB), a gap in every
+stream then in flight. Children and that thread run at the lowest CPU priority
+with one compiler thread each: on a machine whose cores the engine keeps busy,
+a compile takes what the engine leaves, never a core from under its step.
 """
 
 from __future__ import annotations
@@ -26,10 +34,9 @@ from sessionserve.types.guided import GuidedDecoding
 
 # Starting a child (imports, the tokenizer's grammar view) is not the request's time.
 _START_TIMEOUT_S = 120.0
-CHILD_NICENESS = 10  # how much lower than the server the children's CPU priority is
-# The largest compiled grammar a child sends back. Loading one into the server takes the interpreter for
-# about 40 ms per MiB (a 20,000-value enum compiles to 50 MiB: 2 s in which no other request's token is
-# sent), so a constraint that compiles larger is the request's 400.
+COMPILE_NICENESS = 19  # how much lower than the server a compile's CPU priority is (the lowest)
+# The most memory one compiled grammar may take (xgrammar's count): a constraint that compiles larger is the
+# request's 400 (the cache holds up to 256 of them).
 MAX_GRAMMAR_BYTES = 16 * 2**20
 
 
@@ -44,17 +51,18 @@ class GrammarWorker:
                  num_children: int = 2) -> None:
         self.timeout_s = timeout_s
         self.num_timeouts = 0
+        self.num_children = num_children
         self._children: list[_Child] = [_Child(str(model_dir), stop_token_ids) for _ in range(num_children)]
         self._free: queue.SimpleQueue[_Child] = queue.SimpleQueue()
         for child in self._children:
             self._release(child)  # started in the background: a compile waits only for the first to be ready
 
-    def compile(self, guided: GuidedDecoding) -> str:
-        """The compiled grammar, serialized (xgrammar's JSON). Raises ValueError for a bad spec, GrammarTimeout
-        when it takes longer than `timeout_s`."""
+    def check(self, guided: GuidedDecoding) -> int:
+        """How many bytes `guided` compiles to. Raises ValueError for a bad spec or one that compiles larger than
+        MAX_GRAMMAR_BYTES, GrammarTimeout when it takes longer than `timeout_s`."""
         child = self._free.get()
         try:
-            return child.compile(guided, self.timeout_s)
+            return child.check(guided, self.timeout_s)
         except GrammarTimeout:
             self.num_timeouts += 1
             raise
@@ -93,7 +101,7 @@ class _Child:
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None and self._conn is not None
 
-    def compile(self, guided: GuidedDecoding, timeout_s: float) -> str:
+    def check(self, guided: GuidedDecoding, timeout_s: float) -> int:
         conn = self.start()
         conn.send(guided)
         if not conn.poll(timeout_s):
@@ -140,12 +148,19 @@ class _Child:
         self._process, self._conn = None, None
 
 
+def lower_thread_priority() -> None:
+    """Run the calling thread (on Linux: this thread alone; elsewhere the process) at COMPILE_NICENESS."""
+    with contextlib.suppress(OSError, AttributeError):  # no setpriority here, or not allowed: run as is
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if sys.platform == "linux" else 0, COMPILE_NICENESS)
+
+
 def _serve(conn: Connection, model_dir: str, stop_token_ids: tuple[int, ...] | None,
            max_bytes: int = MAX_GRAMMAR_BYTES) -> None:
-    """The child: compile what the parent sends until the connection closes."""
+    """The child: compile what the parent sends, answering with the compiled size or why not, until the
+    connection closes."""
     from sessionserve.model.structured import GrammarCompiler
 
-    compiler = GrammarCompiler(model_dir, stop_token_ids)
+    compiler = GrammarCompiler(model_dir, stop_token_ids, max_threads=1)
     conn.send("ready")
     while True:
         try:
@@ -153,22 +168,22 @@ def _serve(conn: Connection, model_dir: str, stop_token_ids: tuple[int, ...] | N
         except (EOFError, OSError):
             return
         try:
-            serialized = compiler.compile(guided).serialize_json()
+            size = compiler.compile(guided).memory_size_bytes
         except ValueError as exc:
             conn.send((False, str(exc)))
             continue
-        if len(serialized) > max_bytes:
-            conn.send((False, f"the {guided.kind} constraint compiles to {len(serialized) / 2**20:.0f} MiB, more than "
-                              f"the {max_bytes / 2**20:.0f} MiB allowed; simplify it (fewer properties, enum values "
-                              f"or nesting levels)"))
+        if size > max_bytes:
+            conn.send((False, f"the {guided.kind} constraint compiles to {size / 2**20:.0f} MiB, more than the "
+                              f"{max_bytes / 2**20:.0f} MiB allowed; simplify it (fewer properties, enum values or "
+                              f"nesting levels)"))
         else:
-            conn.send((True, serialized))
+            conn.send((True, size))
 
 
 if __name__ == "__main__":
-    # Below the engine in the CPU's queue: a compile (or this child's start, torch's import included) takes
-    # what the engine leaves, never a core from under its step. The limit in `timeout_s` still applies.
-    os.nice(CHILD_NICENESS)
+    # Below the engine in the CPU's queue (this child's start, torch's import included). The limit in
+    # `timeout_s` still applies.
+    os.nice(COMPILE_NICENESS)
     model_dir, stop_ids = json.loads(sys.argv[2])
     with contextlib.suppress(OSError, EOFError):  # the server went away (or stopped this child): just end
         _serve(Connection(int(sys.argv[1])), model_dir, tuple(stop_ids) if stop_ids else None)

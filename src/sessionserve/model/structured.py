@@ -25,6 +25,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,7 @@ class GrammarCompiler:
         self.model_dir = path
         self._stop_token_ids = stop_token_ids
         self._worker: GrammarWorker | None = None
+        self._background: ThreadPoolExecutor | None = None  # compiles what the worker passed (see use_worker)
         arch = load_arch(path)
         tokenizer_json = (path / "tokenizer.json").read_text()
         self._tok = _HFTokenizer.from_str(tokenizer_json)
@@ -105,20 +107,17 @@ class GrammarCompiler:
             raise ValueError(failed)
         if self._worker is not None:
             try:
-                compiled = xgr.CompiledGrammar.deserialize_json(self._worker.compile(guided), self.tokenizer_info)
+                self._worker.check(guided)  # in a child first: it can be stopped
             except ValueError as exc:
                 with self._lock:
                     self._failed[key] = str(exc)
                     if len(self._failed) > _CACHE_MAX_ENTRIES:
                         self._failed.popitem(last=False)
                 raise
+            assert self._background is not None
+            compiled = self._background.submit(self._compile_or_raise, guided).result()
         else:
-            try:
-                compiled = self._compile(guided)
-            except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports bad specs as these
-                raise ValueError(f"cannot compile {guided.kind} constraint: {exc}") from None
-            except RecursionError:
-                raise ValueError(f"cannot compile {guided.kind} constraint: it is nested too deeply") from None
+            compiled = self._compile_or_raise(guided)
         with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > _CACHE_MAX_ENTRIES:
@@ -126,16 +125,23 @@ class GrammarCompiler:
         return compiled
 
     def use_worker(self, timeout_s: float) -> None:
-        """Compile cache misses in a child process, stopped past `timeout_s` (see model/grammar_worker.py)."""
-        from sessionserve.model.grammar_worker import GrammarWorker
+        """Try cache misses in a child process first, stopped past `timeout_s`; compile those that pass on a
+        thread below the server's priority (see model/grammar_worker.py)."""
+        from sessionserve.model.grammar_worker import GrammarWorker, lower_thread_priority
 
         if self._worker is None:
             self._worker = GrammarWorker(self.model_dir, self._stop_token_ids, timeout_s)
+            # One compiler thread, the calling one: xgrammar's own would run at the server's priority.
+            self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1)
+            self._background = ThreadPoolExecutor(self._worker.num_children, thread_name_prefix="grammar",
+                                                  initializer=lower_thread_priority)
         self._worker.timeout_s = timeout_s
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._background is not None:
+            self._background.shutdown(wait=False, cancel_futures=True)
 
     def constraint(self, guided: GuidedDecoding, stop_token_ids: tuple[int, ...] = ()) -> Constraint:
         """A fresh per-request matcher; `stop_token_ids` (a request's own) end the output too, besides EOS."""
@@ -146,6 +152,14 @@ class GrammarCompiler:
         if self._bitmask.shape[0] < num_rows:
             self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 2 * self._bitmask.shape[0]), self.vocab_size)
         return self._bitmask[:num_rows]
+
+    def _compile_or_raise(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
+        try:
+            return self._compile(guided)
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports bad specs as these
+            raise ValueError(f"cannot compile {guided.kind} constraint: {exc}") from None
+        except RecursionError:
+            raise ValueError(f"cannot compile {guided.kind} constraint: it is nested too deeply") from None
 
     def _compile(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
         if guided.kind == "json_object":
