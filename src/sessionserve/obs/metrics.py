@@ -101,14 +101,13 @@ class Metrics:
         self.cached_tokens.labels(m).inc(num_cached)
         self.generation_tokens.labels(m).inc(num_output)
 
-    def sample_engine(self, eng, step_s: float, model: str | None = None) -> None:  # noqa: ANN001 - LLMEngine
-        """A step's time and the gauges after it; called in the engine thread."""
+    def observe_step(self, step_s: float, model: str | None = None) -> None:
+        """A step's time; called in the engine thread after each step."""
         self.step_seconds.labels(model or self.model).observe(step_s)
-        self.sample_gauges(eng, model)
 
     def sample_gauges(self, eng, model: str | None = None) -> None:  # noqa: ANN001 - LLMEngine
-        """Queue, KV and session gauges from the engine's state; in the engine thread, after steps and on a
-        timer while it is idle (a deleted or expired session's blocks leave the gauges without a step)."""
+        """Queue, KV and session gauges from the engine's state; in the engine thread, on a timer while steps
+        run and while it is idle, and as steps stop (see AsyncEngine's `on_gauges`)."""
         m = model or self.model
         sched = eng.core.scheduler
         self.queue_depth.labels(m).set(len(sched.waiting))

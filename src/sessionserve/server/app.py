@@ -133,14 +133,14 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
     def on_step(n: str, meter: RoleMeter) -> Callable[[LLMEngine, float, float], None]:
         def sample(eng: LLMEngine, dt: float, cpu_s: float) -> None:
             meter.record(dt, cpu_s)
-            metrics.sample_engine(eng, dt, n)
+            metrics.observe_step(dt, n)
         return sample
 
     slots = {
         n: ModelSlot(n, e, AsyncEngine(e, max_queued_requests=config.max_queued_requests, cpus=engine_cpus,
                                        on_step=on_step(n, roles.add(RoleMeter(
                                            ENGINE if len(engines) == 1 else f"{ENGINE}:{n}", 1))),
-                                       on_idle=lambda eng, n=n: metrics.sample_gauges(eng, n)),
+                                       on_gauges=lambda eng, n=n: metrics.sample_gauges(eng, n)),
                      ImplicitSessions(e.runner.block_size, config.max_implicit_sessions)
                      if config.implicit_sessions != "off" else None)
         for n, e in engines.items()}
@@ -169,37 +169,7 @@ def create_app(engine: LLMEngine | dict[str, LLMEngine], *, model_name: str | No
     keyed_paths = {"/metrics", app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}
     keyed_paths = keyed_paths - {None} if config.metrics_auth == "key" else set()
 
-    @app.middleware("http")
-    async def request_context(request: Request, call_next):  # noqa: ANN001, ANN202
-        rid = request.headers.get("x-request-id") or ""
-        # Ours unless the client's is short and plain (it ends up in logs and engine ids).
-        request.state.request_id = rid if 0 < len(rid) <= 64 and rid.replace("-", "").isalnum() else uuid.uuid4().hex
-        request_id_var.set(request.state.request_id)
-        path = request.url.path
-        is_api = path.startswith("/v1/")
-        if is_api or path in keyed_paths:
-            # OpenAI clients send `Authorization: Bearer`, Anthropic's `x-api-key`.
-            key = request.headers.get("x-api-key")
-            tenant = state.auth.tenant_for(request.headers.get("authorization") or (key and f"Bearer {key}"))
-            if tenant is None:
-                return error_response(OpenAIError(401, "Invalid or missing API key.", "authentication_error",
-                                                  code="invalid_api_key"), state, path)
-            request.state.tenant = tenant
-            request.state.engine_request_id = f"{tenant_tag(tenant)}-{request.state.request_id}"
-        if is_api:
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
-                return error_response(OpenAIError(413, f"Request body over {config.max_request_bytes} bytes.",
-                                                  "invalid_request_error", code="request_too_large"), state, path)
-        notice = SessionIdNotice()
-        session_id_notice.set(notice)  # filled by turn/identity.py as the route works out the session
-        response = await call_next(request)
-        response.headers["x-request-id"] = request.state.request_id
-        if notice.session_id is not None and "x-session-id" not in response.headers:
-            response.headers["x-session-id"] = notice.session_id
-        if notice.warning is not None:
-            response.headers["x-sessionserve-warning"] = notice.warning
-        return response
+    app.add_middleware(RequestContext, state=state, keyed_paths=frozenset(keyed_paths))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -270,6 +240,65 @@ def default_route(engines: dict[str, LLMEngine]) -> ModelRoutePolicy:
 
     ranked = sorted(engines, key=size)
     return ModelRoutePolicy(large=ranked[-1], small=ranked[0])
+
+
+class RequestContext:
+    """Each HTTP request's id, tenant (its API key, for /v1/ and keyed paths: else a 401) and early size check
+    (Content-Length over the limit: 413), and the headers every answer carries: X-Request-ID, and the session
+    the turn ran in. Plain ASGI, not an `@app.middleware("http")` function: that one passes every streamed
+    chunk through a queue and a task of its own, event-loop time in every token of every stream."""
+
+    def __init__(self, app: Callable, state: ServerState, keyed_paths: frozenset[str]) -> None:
+        self.app = app
+        self.state = state
+        self.keyed_paths = keyed_paths
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state, config = self.state, self.state.config
+        request = Request(scope)
+        rid = request.headers.get("x-request-id") or ""
+        # Ours unless the client's is short and plain (it ends up in logs and engine ids).
+        request_id = rid if 0 < len(rid) <= 64 and rid.replace("-", "").isalnum() else uuid.uuid4().hex
+        request.state.request_id = request_id
+        request_id_var.set(request_id)
+        notice = SessionIdNotice()
+        session_id_notice.set(notice)  # filled by turn/identity.py as the route works out the session
+
+        async def send_with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k != b"x-request-id"]
+                headers.append((b"x-request-id", request_id.encode()))
+                if notice.session_id is not None and all(k != b"x-session-id" for k, _ in headers):
+                    headers.append((b"x-session-id", notice.session_id.encode("latin-1", "replace")))
+                if notice.warning is not None:
+                    headers.append((b"x-sessionserve-warning", notice.warning.encode("latin-1", "replace")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        path = request.url.path
+        is_api = path.startswith("/v1/")
+        error = None
+        if is_api or path in self.keyed_paths:
+            # OpenAI clients send `Authorization: Bearer`, Anthropic's `x-api-key`.
+            key = request.headers.get("x-api-key")
+            tenant = state.auth.tenant_for(request.headers.get("authorization") or (key and f"Bearer {key}"))
+            if tenant is None:
+                error = OpenAIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
+            else:
+                request.state.tenant = tenant
+                request.state.engine_request_id = f"{tenant_tag(tenant)}-{request_id}"
+        if is_api and error is None:
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
+                error = OpenAIError(413, f"Request body over {config.max_request_bytes} bytes.",
+                                    "invalid_request_error", code="request_too_large")
+        if error is not None:
+            await error_response(error, state, path)(scope, receive, send_with_headers)
+            return
+        await self.app(scope, receive, send_with_headers)
 
 
 def error_response(exc: OpenAIError, state: ServerState, path: str = "") -> JSONResponse:
