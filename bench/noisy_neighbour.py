@@ -92,6 +92,10 @@ class NoisyReport:
     fuzz_failures: list[str] = field(default_factory=list)
     corpus_s: float = 0.0
     fuzz_s: float = 0.0
+    # Alice's corpus-phase gaps over the target (2x the quiet p99), counted per case that ran during the gap
+    # (a gap during several cases counts for each; "(none)": no case ran, e.g. between cases)
+    slow_gaps_by_case: dict[str, int] = field(default_factory=dict)
+    num_slow_gaps: int = 0
 
     def summary(self) -> str:
         lines = [f"{'phase':<14}{'streams':>8}{'gaps':>7}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'ttft p99 ms':>13}"]
@@ -114,6 +118,10 @@ class NoisyReport:
         lines.append("alice's largest gaps while a case ran: " + "; ".join(
             f"{c['name']}: max {1000 * (c['alice_max_s'] or 0):.0f} ms, p99 {1000 * (c['alice_p99_s'] or 0):.0f} ms"
             for c in worst))
+        if self.num_slow_gaps:
+            by_case = sorted(self.slow_gaps_by_case.items(), key=lambda kv: -kv[1])[:8]
+            lines.append(f"alice's {self.num_slow_gaps} gaps over {GAP_RATIO_TARGET}x the quiet p99, by case running: "
+                         + "; ".join(f"{name}: {n}" for name, n in by_case))
         lines.append(f"fuzz: {self.fuzz_sent} requests in {self.fuzz_s:.1f} s, {self.fuzz_5xx} answered 5xx; "
                      f"statuses {dict(sorted(self.fuzz_statuses.items()))}")
         lines += [f"  {f[:300]}" for f in self.fuzz_failures[:10]]
@@ -139,6 +147,22 @@ def _judge(results: list[StreamResult], reference: dict[int, str]) -> list[str]:
             out.append(f"[{r.phase}] prompt {r.prompt_index}: text differs from the quiet run: {r.text[:80]!r} vs "
                        f"{reference[r.prompt_index][:80]!r}")
     return out
+
+
+def _slow_gaps_by_case(results: list[StreamResult], outcomes: list, start: float, end: float,
+                       bound_s: float) -> tuple[int, dict[str, int]]:
+    """How many of Alice's gaps in [start, end) exceed `bound_s`, and how many overlap each case's run."""
+    count, by_case = 0, {}
+    for r in results:
+        t = r.token_times
+        for a, b in zip(t, t[1:]):
+            if not (start <= b < end) or b - a <= bound_s:
+                continue
+            count += 1
+            names = [o.name for o in outcomes if o.started_at < b and a < o.started_at + o.elapsed_s] or ["(none)"]
+            for name in names:
+                by_case[name] = by_case.get(name, 0) + 1
+    return count, by_case
 
 
 def run_noisy_neighbour(url: str, target: adversarial.Target, *, case_names: list[str] | None = None,
@@ -182,6 +206,9 @@ def run_noisy_neighbour(url: str, target: adversarial.Target, *, case_names: lis
         during = GapStats.of(noisy, o.started_at, o.started_at + o.elapsed_s)
         report.cases.append({**o._asdict(), "alice_p99_s": during.p99_s, "alice_max_s": during.max_s})
     report.num_cases_failed = sum(not o.is_ok for o in outcomes)
+    if report.quiet_before.p99_s:
+        report.num_slow_gaps, report.slow_gaps_by_case = _slow_gaps_by_case(
+            noisy, outcomes, corpus_start, fuzz_start, GAP_RATIO_TARGET * report.quiet_before.p99_s)
     report.fuzz_sent, report.fuzz_statuses = fuzz.num_sent, dict(fuzz.statuses)
     report.fuzz_5xx, report.fuzz_failures = fuzz.num_5xx, fuzz.failures
     return report
@@ -197,6 +224,8 @@ def main() -> None:
     parser.add_argument("--quiet-rounds", type=int, default=3)
     parser.add_argument("--bob-workers", type=int, default=3)
     parser.add_argument("--num-blocks", type=int, default=512)
+    parser.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
+                        help="an engine option for the server (repeatable), e.g. max_num_batched_tokens=512")
     parser.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args()
 
@@ -208,7 +237,9 @@ def main() -> None:
 
     model = mm.ensure_model("llama", "tiny", ROOT / "bench" / "out" / "models")
     spool = Path(tempfile.mkdtemp(prefix="noisy-spool-"))
-    with live_server(model, spool, num_blocks=args.num_blocks, host_kv_bytes=0, disk_kv_bytes=0) as server:
+    options = {name: json.loads(value) for name, value in (o.split("=", 1) for o in args.engine)}
+    with live_server(model, spool, **{"num_blocks": args.num_blocks, "host_kv_bytes": 0, "disk_kv_bytes": 0,
+                                      **options}) as server:
         target = adversarial.Target(server.url, vocab_size=server.engine.runner.arch.vocab_size,
                                     max_model_len=server.engine.max_model_len,
                                     max_request_bytes=ServerConfig().max_request_bytes)
