@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -244,3 +245,23 @@ def test_openapi_declares_request_bodies_and_errors(server: LiveServer) -> None:
     anthropic = posts["/v1/messages"]["responses"]["400"]["content"]["application/json"]["schema"]
     assert anthropic["properties"]["type"] == {"const": "error"}
     assert "#/$defs/" not in json.dumps(doc)  # every reference resolves from the document's root
+
+
+def test_answers_refused_at_the_door_carry_the_request_id(server: LiveServer) -> None:
+    """A missing key (401) and a declared body over the limit (413) are answered before any route runs, in
+    the path's protocol, with the client's X-Request-ID like every other answer."""
+    r = httpx.post(server.url + "/v1/chat/completions", json={}, headers={"X-Request-ID": "door-1"}, timeout=30)
+    assert r.status_code == 401 and r.headers["x-request-id"] == "door-1"
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    url = httpx.URL(server.url)
+    with socket.create_connection((url.host, url.port), timeout=30) as s:  # the body never comes
+        s.sendall(f"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: key-alice\r\nX-Request-ID: door-2\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {1 << 40}\r\n\r\n{{".encode())
+        answer = b""
+        while b"}" not in answer.partition(b"\r\n\r\n")[2]:  # the head, then the JSON body
+            chunk = s.recv(65536)
+            assert chunk, answer
+            answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"x-request-id: door-2" in head.lower(), head
+    assert json.loads(body)["type"] == "error", body
