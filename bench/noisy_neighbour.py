@@ -224,6 +224,8 @@ def main() -> None:
     parser.add_argument("--quiet-rounds", type=int, default=3)
     parser.add_argument("--bob-workers", type=int, default=3)
     parser.add_argument("--num-blocks", type=int, default=512)
+    parser.add_argument("--size", choices=("tiny", "small"), default="tiny",
+                        help="the embedded model's size: tiny (the CI test's) or small (`sessionserve serve`'s default)")
     parser.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
                         help="an engine option for the server (repeatable), e.g. max_num_batched_tokens=512")
     parser.add_argument("--out", default=None, help="write the JSON report here")
@@ -235,7 +237,7 @@ def main() -> None:
     from sessionserve.modelgen import make_model as mm
     from tests.reliability.conftest import close_all_sessions, kv_state, live_server, wait_idle
 
-    model = mm.ensure_model("llama", "tiny", ROOT / "bench" / "out" / "models")
+    model = mm.ensure_model("llama", args.size, ROOT / "bench" / "out" / "models")
     spool = Path(tempfile.mkdtemp(prefix="noisy-spool-"))
     options = {name: json.loads(value) for name, value in (o.split("=", 1) for o in args.engine)}
     with live_server(model, spool, **{"num_blocks": args.num_blocks, "host_kv_bytes": 0, "disk_kv_bytes": 0,

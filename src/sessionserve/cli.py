@@ -88,7 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             disk_kv_bytes=args.disk_kv_bytes, spool_dir=spool_dir, kv_store_dir=args.kv_store_dir,
             kv_store_bytes=args.kv_store_bytes, host_prefix_cache_bytes=args.host_prefix_cache_bytes,
             admission=args.admission, admission_fill=args.admission_fill,
-            admission_when_full=args.admission_when_full, **_spec_kwargs(args)))
+            admission_when_full=args.admission_when_full, max_prefill_step_s=args.max_prefill_step_ms and
+            args.max_prefill_step_ms / 1000, **_spec_kwargs(args)))
 
     specs = model_specs(args.model)
     names = args.served_model_name or []
@@ -208,6 +209,10 @@ def main(argv: list[str] | None = None) -> None:
                        help="where Responses API responses are kept for previous_response_id: "
                             "sqlite:///file.db, redis://host:port/db (default: SQLite in memory)")
     serve.add_argument("--tokenize-threads", type=int, default=2, help="threads that render and tokenize prompts")
+    serve.add_argument("--max-prefill-step-ms", type=float, default=None,
+                       help="while streams decode, prompt chunks batched with them take at most about this many "
+                            "ms of a step (a bound on every stream's token gap, paid in a long prompt's time to "
+                            "first token); default: only --max-num-batched-tokens bounds them")
     serve.add_argument("--tokenize-cpus", default=None, help="cores for those threads, e.g. '1' or '2-3'")
     serve.add_argument("--engine-cpus", default=None,
                        help="cores for the engine loop and its compute threads, e.g. '0' (default: any)")

@@ -96,6 +96,11 @@ class SchedulerConfig:
     # interactive turns stream at decode pace (see core/priority.py). None: 1/16 of
     # max_num_batched_tokens (at least 1); 0: no limit.
     background_prefill_tokens: int | None = None
+    # While running sequences decode, the prompt chunks batched with them take at most about this many
+    # seconds of a step (from the measured prefill cost per token): one tenant's long prompt then delays
+    # every stream's next token by about this, not by a whole max_num_batched_tokens chunk (seconds on a
+    # CPU), paid in that prompt's time to first token. None: only max_num_batched_tokens bounds them.
+    max_prefill_step_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -114,6 +119,8 @@ class SchedulerConfig:
             raise ValueError("las_quantum_tokens >= 0, aging_s > 0, starvation_s > 0, preempt_after_s >= 0")
         if self.background_prefill_tokens is not None and self.background_prefill_tokens < 0:
             raise ValueError(f"background_prefill_tokens must be >= 0, got {self.background_prefill_tokens}")
+        if self.max_prefill_step_s is not None and self.max_prefill_step_s <= 0:
+            raise ValueError(f"max_prefill_step_s must be > 0, got {self.max_prefill_step_s}")
         if self.admission not in ("off", "working-set"):
             raise ValueError(f"admission must be off or working-set, got {self.admission!r}")
         if self.admission_when_full not in ("hold", "reject"):

@@ -243,7 +243,7 @@ class EngineCore:
             self._propose()
         if self.door is not None and self.door.held:
             self._let_in(self.clock())
-        plan: SchedulerOutput = self.scheduler.schedule(self.clock())
+        plan: SchedulerOutput = self.scheduler.schedule(self.clock(), self._prefill_tokens())
         if plan.is_empty:
             if self.sessions is not None:
                 if self.sessions.num_blocked and self.sessions.mover is not None:
@@ -288,6 +288,14 @@ class EngineCore:
         for held in self.door.release(now, self.scheduler.running, self.sessions, self.scheduler.order(now)):
             session = self.sessions.get(held.session_id) if self.sessions and held.session_id else None
             self._start(held.seq, session, held.num_new_tokens, now)
+
+    def _prefill_tokens(self) -> int | None:
+        """The prompt tokens a step may batch with decodes: config max_prefill_step_s at the measured cost per
+        token (at least a block's worth, so prompts still advance); None: no such bound, or no cost yet."""
+        target = self.scheduler.config.max_prefill_step_s
+        if target is None or self.prefill_s_per_token is None:
+            return None
+        return max(self.kv.block_size, int(target / self.prefill_s_per_token))
 
     def _observe_step_time(self, plan: SchedulerOutput, seconds: float) -> None:
         """Fold a step's time into the measured costs: decode steps (the unit of a draft's cost, and where

@@ -41,19 +41,23 @@ class StepBudget:
 
     tokens: int  # batched tokens left
     background: int  # of which background (batch-class) prefills may still take this many
+    prefill: int  # of which prefill chunks (any class) may still take this many
     yield_key: tuple[int, int, int, float] | None  # batch prefills ranking after this key yield to it
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # request ids preempted by recompute this step
 
-    def limit(self, background: bool) -> int:
-        """Tokens a chunk may take: background prefills also within their share."""
-        return min(self.tokens, self.background) if background else self.tokens
+    def limit(self, background: bool, prefill: bool = True) -> int:
+        """Tokens a chunk may take: prefills also within their share, background prefills within theirs."""
+        n = min(self.tokens, self.background) if background else self.tokens
+        return min(n, self.prefill) if prefill else n
 
     def take(self, chunk: ScheduledChunk, background: bool) -> None:
         self.chunks.append(chunk)
         self.tokens -= chunk.num_tokens
         if background:
             self.background -= chunk.num_tokens
+        if chunk.num_tokens - chunk.num_spec > 1:
+            self.prefill -= chunk.num_tokens
 
 
 class Scheduler:
@@ -105,14 +109,16 @@ class Scheduler:
         return self.policy.key(seq.priority, seq.service_at_arrival, seq.arrival_s, now_s,
                                program_start_s=seq.program.start_s)
 
-    def schedule(self, now_s: float | None = None) -> SchedulerOutput:
-        """Plan one step. `now_s` (any clock) drives aging and urgency; None: no aging."""
+    def schedule(self, now_s: float | None = None, prefill_tokens: int | None = None) -> SchedulerOutput:
+        """Plan one step. `now_s` (any clock) drives aging and urgency; None: no aging. `prefill_tokens`: the
+        most prompt tokens the step computes while running sequences decode (their next token waits for the
+        step: a long prompt's chunk would stall every stream); None: only the token budget bounds them."""
         if not self.running and not self.waiting:  # idle: most ticks of a server whose agents wait on tools
             self.num_wanted_blocks = 0
             return SchedulerOutput((), 0, (), self.kv.block_tables)
         prioritized = self.policy.policy != "fcfs"
         urgent_preempted = self._order(now_s) if prioritized else []
-        step = self._step_budget(now_s, prioritized)
+        step = self._step_budget(now_s, prioritized, prefill_tokens)
         deferred = self._schedule_running(step, now_s)
         # NOTE: no admissions in a step that preempted: memory is short, and
         # admitting now would only preempt again next step.
@@ -135,10 +141,14 @@ class Scheduler:
             self.waiting = deque(sorted(self.waiting, key=lambda s: self._key(s, now_s)))
         return urgent_preempted
 
-    def _step_budget(self, now_s: float | None, prioritized: bool) -> StepBudget:
-        """The step's token budget, and how much of it background prefills may take: limited while
-        interactive turns run or are first in line."""
+    def _step_budget(self, now_s: float | None, prioritized: bool, prefill_tokens: int | None) -> StepBudget:
+        """The step's token budget, how much of it background prefills may take (limited while interactive
+        turns run or are first in line), and how much prefills may take (`prefill_tokens` while a running
+        sequence decodes)."""
         budget = self.config.max_num_batched_tokens
+        prefill = budget
+        if prefill_tokens is not None and any(s.num_uncomputed_tokens == 1 for s in self.running):
+            prefill = max(1, prefill_tokens)
         # Batch prefill chunks that rank below the first waiting interactive turn yield it the budget.
         first_interactive = next((s for s in self.waiting if s.priority == 0 and not s.is_blocked), None) \
             if prioritized else None
@@ -147,7 +157,7 @@ class Scheduler:
                 first_interactive is not None or any(s.priority == 0 for s in self.running)):
             background = self.policy.background_prefill_tokens
         yield_key = self._key(first_interactive, now_s) if first_interactive is not None else None
-        return StepBudget(budget, background, yield_key)
+        return StepBudget(budget, background, prefill, yield_key)
 
     def _schedule_running(self, step: StepBudget, now_s: float | None) -> list[Sequence]:
         """Phase 1: running sequences in order, preempting from the end when a block is short (phase 2).
@@ -156,13 +166,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.tokens > 0:
             seq = self.running[i]
-            bg_prefill = seq.priority > 0 and seq.num_uncomputed_tokens > 1
+            prefill = seq.num_uncomputed_tokens > 1
+            bg_prefill = seq.priority > 0 and prefill
             if bg_prefill and (step.background <= 0 or step.yield_key is not None
                                and self._key(seq, now_s) > step.yield_key):
                 deferred.append(seq)
                 i += 1
                 continue
-            chunk = self._chunk_or_preempt(seq, step.limit(bg_prefill), step.preempted)
+            if prefill and step.prefill <= 0:  # its next chunk waits for a step with prefill room
+                i += 1
+                continue
+            chunk = self._chunk_or_preempt(seq, step.limit(bg_prefill, prefill), step.preempted)
             if chunk is None:
                 break  # seq itself was preempted: nothing more fits
             step.take(chunk, bg_prefill)
@@ -189,8 +203,8 @@ class Scheduler:
                     self.num_prefix_waits += 1
                     continue
             num_new = seq.num_tokens - start
-            limit = step.limit(seq.priority > 0)
-            if num_new > limit and not self.config.enable_chunked_prefill:
+            limit = step.limit(seq.priority > 0, num_new > 1)
+            if limit <= 0 or num_new > limit and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, limit)
             whole = self.kv.num_blocks_required(seq.request_id, seq.num_tokens, hit) if prioritized else 0
@@ -224,7 +238,7 @@ class Scheduler:
     def _fill_deferred(self, step: StepBudget, deferred: list[Sequence]) -> None:
         """Last: the deferred background chunks take what the admissions left (no preemption for them)."""
         for seq in deferred:
-            num_new = min(seq.num_uncomputed_tokens, step.tokens, step.background)
+            num_new = min(seq.num_uncomputed_tokens, step.tokens, step.background, step.prefill)
             if num_new <= 0:
                 break
             if self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:

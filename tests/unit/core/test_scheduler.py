@@ -184,3 +184,26 @@ def test_a_sequence_that_would_outgrow_the_whole_cache_stops_at_its_size() -> No
         run_step(sched)
     assert seq.status is SequenceStatus.FINISHED_LENGTH and seq.num_tokens == 16
     assert sched.num_preemptions == 0 and sched.kv.num_free_blocks == 4
+
+
+def test_prefill_tokens_bound_the_prompt_work_batched_with_decodes() -> None:
+    """While a sequence decodes, prompt chunks (a new one's and a running one's) share `prefill_tokens`;
+    decodes are never held back by it, and with nothing decoding prompts take the whole budget."""
+    sched = create_scheduler(num_blocks=128, max_num_batched_tokens=64)
+    streaming = create_seq(4, max_tokens=50)
+    sched.add(streaming)
+    run_step(sched, now_s=0.0)  # its prompt: it decodes from now on
+    long_prompt, other = create_seq(100), create_seq(30)
+    sched.add(long_prompt)
+    sched.add(other)
+    plan = sched.schedule(1.0, prefill_tokens=12)
+    sizes = {c.seq.request_id: c.num_tokens for c in plan.chunks}
+    assert sizes == {streaming.request_id: 1, long_prompt.request_id: 12}, sizes
+    sched.update(plan, {streaming.request_id: 7})
+    plan = sched.schedule(2.0, prefill_tokens=12)  # the running prompt's next chunk, still within the bound
+    sizes = {c.seq.request_id: c.num_tokens for c in plan.chunks}
+    assert sizes == {streaming.request_id: 1, long_prompt.request_id: 12}, sizes
+    sched.update(plan, {streaming.request_id: 7})
+    sched.finish(streaming, SequenceStatus.FINISHED_ABORTED)  # nothing decodes: the bound is off
+    plan = sched.schedule(3.0, prefill_tokens=12)
+    assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(long_prompt, 64)]  # the whole step's budget
