@@ -82,6 +82,9 @@ class _Tracked:
     seq: Sequence
     prompt: str | None
     detok: IncrementalDetokenizer | None  # None: decode once at the end (no stop strings, no streaming)
+    # The prompt's ids, copied at the first output (a held session turn gets its context when it starts):
+    # every later output shares this list, where a copy per streamed token was O(context) each step.
+    prompt_token_ids: list[int] | None = None
 
 
 class LLMEngine:
@@ -307,8 +310,10 @@ class LLMEngine:
             text = self.tokenizer.decode(seq.output_token_ids) if finished else ""
             delta = text
         reason = seq.status.value if finished else None
+        if tracked.prompt_token_ids is None or len(tracked.prompt_token_ids) != seq.num_prompt_tokens:
+            tracked.prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
         return RequestOutput(
-            request_id=seq.request_id, prompt=tracked.prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            request_id=seq.request_id, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids,
             outputs=[CompletionOutput(0, text, seq.output_token_ids, reason, seq.stop_reason,
                                      # a copy: the server reads a streamed output after later steps appended
                                      None if seq.logprobs is None else list(seq.logprobs))],

@@ -357,3 +357,20 @@ def test_the_policy_first_sees_a_parked_session_with_its_wait(tiny_llama: Path, 
     assert first.predicted.p50_s == 7.5
     assert eng.get_session(sid).waiting_tools == ("run_tests",)
     eng.close_session(sid)
+
+
+def test_streamed_outputs_share_one_copy_of_the_prompt_ids(tiny_llama: Path, tmp_path: Path) -> None:
+    """Each step's output carries the prompt's ids: one list for the whole request (a copy per token was
+    O(context) per running sequence per step), equal to the session's context plus the turn."""
+    eng = make_engine(tiny_llama, tmp_path)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    sid = eng.open_session()
+    run_to_end(eng, eng.add_request([5, 6, 7, 8] * 10, params, session_id=sid, stream=True))
+    rid = eng.add_request([9, 10, 11], params, session_id=sid, stream=True)
+    seen = []
+    for _ in range(100):
+        seen += [o for o in eng.step() if o.request_id == rid]
+        if seen and seen[-1].finished:
+            break
+    assert len(seen) >= 6 and all(o.prompt_token_ids is seen[0].prompt_token_ids for o in seen)
+    assert seen[0].prompt_token_ids[:40] == [5, 6, 7, 8] * 10 and seen[0].prompt_token_ids[-3:] == [9, 10, 11]

@@ -12,7 +12,7 @@ The server then compiles a grammar that passed again itself, on a thread below
 its own priority (`lower_thread_priority`): xgrammar lets go of the interpreter
 while it compiles, whereas loading a compiled grammar sent back would hold it
 (~40 ms per serialized MiB, and 40 tools serialize to 3 MiB), a gap in every
-stream then in flight. Children and that thread run at the lowest CPU priority
+stream then in flight. Children and that thread run below the server's CPU priority
 with one compiler thread each: on a machine whose cores the engine keeps busy,
 a compile takes what the engine leaves, never a core from under its step.
 """
@@ -34,7 +34,7 @@ from sessionserve.types.guided import GuidedDecoding
 
 # Starting a child (imports, the tokenizer's grammar view) is not the request's time.
 _START_TIMEOUT_S = 120.0
-COMPILE_NICENESS = 19  # how much lower than the server a compile's CPU priority is (the lowest)
+COMPILE_NICENESS = 10  # how much lower than the server a compile's CPU priority is
 # The most memory one compiled grammar may take (xgrammar's count): a constraint that compiles larger is the
 # request's 400 (the cache holds up to 256 of them).
 MAX_GRAMMAR_BYTES = 16 * 2**20
