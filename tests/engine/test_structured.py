@@ -374,3 +374,60 @@ def test_compile_threads_run_below_the_server_and_leave_its_priority_alone(tiny_
     finally:
         compiler.close()
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_a_check_that_finds_every_compiler_busy_is_a_retry_not_a_refusal(tiny_llama: Path) -> None:
+    """One child, busy with a slow schema: a second request waits at most the limit for it, then gets
+    GrammarBusy (the server's 429), which is not remembered against its spec."""
+    import threading
+    import time
+
+    from sessionserve.model.grammar_worker import GrammarBusy, GrammarTimeout, GrammarWorker
+
+    worker = GrammarWorker(tiny_llama, None, timeout_s=1.0, num_children=1)
+    slow = GuidedDecoding.json_schema({"type": "object", "properties": {
+        "v": {"enum": [f"value-{i}" for i in range(20_000)]}}, "required": ["v"]})
+    small = GuidedDecoding.json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
+    try:
+        assert worker.check(small) > 0  # the child is up
+        outcome: list[BaseException] = []
+        first = threading.Thread(target=lambda: outcome.append(pytest.raises(GrammarTimeout, worker.check, slow).value))
+        first.start()
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        with pytest.raises(GrammarBusy):
+            worker.check(small)
+        assert time.monotonic() - t0 < 3.0 and worker.num_busy == 1
+        first.join(30)
+        assert outcome and isinstance(outcome[0], GrammarTimeout)
+        deadline = time.monotonic() + 60
+        while True:  # the stopped child starts again (seconds: it imports torch); then small compiles
+            try:
+                assert worker.check(small) > 0
+                break
+            except GrammarBusy:
+                assert time.monotonic() < deadline
+    finally:
+        worker.close()
+
+
+def test_every_compiler_busy_is_a_429_with_retry_after() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from sessionserve.model.grammar_worker import GrammarBusy
+    from sessionserve.server import protocol as P
+    from sessionserve.server.turn.generate import compile_guided
+
+    class Busy:
+        def use_worker(self, timeout_s: float) -> None:
+            pass
+
+        def compile(self, guided: GuidedDecoding) -> None:
+            raise GrammarBusy("every grammar compiler was busy for 5 s; retry shortly")
+
+    slot = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(grammar_compiler=Busy())))
+    with pytest.raises(P.OpenAIError) as caught:
+        asyncio.run(compile_guided(slot, GuidedDecoding.json_object()))  # type: ignore[arg-type]
+    assert (caught.value.status_code, caught.value.code, caught.value.retry_after_s) == (
+        429, "grammar_compilers_busy", 1.0)

@@ -34,7 +34,7 @@ from sessionserve.types.guided import GuidedDecoding
 
 # Starting a child (imports, the tokenizer's grammar view) is not the request's time.
 _START_TIMEOUT_S = 120.0
-COMPILE_NICENESS = 10  # how much lower than the server a compile's CPU priority is
+COMPILE_NICENESS = 19  # how much lower than the server a compile's CPU priority is (the lowest)
 # The most memory one compiled grammar may take (xgrammar's count): a constraint that compiles larger is the
 # request's 400 (the cache holds up to 256 of them).
 MAX_GRAMMAR_BYTES = 16 * 2**20
@@ -44,6 +44,11 @@ class GrammarTimeout(ValueError):
     """The grammar did not compile within the time limit."""
 
 
+class GrammarBusy(RuntimeError):
+    """No compiler child came free within the time limit (others' grammars hold them): retry later. Not a
+    ValueError: it says nothing of the spec, which is neither refused nor remembered as failed."""
+
+
 class GrammarWorker:
     """Child processes that compile grammars for one model folder; thread-safe."""
 
@@ -51,6 +56,8 @@ class GrammarWorker:
                  num_children: int = 2) -> None:
         self.timeout_s = timeout_s
         self.num_timeouts = 0
+        self.num_busy = 0  # checks refused because no child came free in time
+        self._started = threading.Event()  # a child has been ready once
         self.num_children = num_children
         self._children: list[_Child] = [_Child(str(model_dir), stop_token_ids) for _ in range(num_children)]
         self._free: queue.SimpleQueue[_Child] = queue.SimpleQueue()
@@ -59,8 +66,13 @@ class GrammarWorker:
 
     def check(self, guided: GuidedDecoding) -> int:
         """How many bytes `guided` compiles to. Raises ValueError for a bad spec or one that compiles larger than
-        MAX_GRAMMAR_BYTES, GrammarTimeout when it takes longer than `timeout_s`."""
-        child = self._free.get()
+        MAX_GRAMMAR_BYTES, GrammarTimeout when it takes longer than `timeout_s`, GrammarBusy when no child
+        came free within `timeout_s` (so a request waits at most twice the limit, whatever others send)."""
+        try:  # the first children's start (seconds: they import torch) is not others' grammars holding them
+            child = self._free.get(timeout=self.timeout_s if self._started.is_set() else _START_TIMEOUT_S)
+        except queue.Empty:
+            self.num_busy += 1
+            raise GrammarBusy(f"every grammar compiler was busy for {self.timeout_s:g} s; retry shortly") from None
         try:
             return child.check(guided, self.timeout_s)
         except GrammarTimeout:
@@ -78,12 +90,14 @@ class GrammarWorker:
         so the next request does not wait for a process to start."""
         if child.is_running:
             self._free.put(child)
+            self._started.set()
             return
 
         def start() -> None:
             with contextlib.suppress(Exception):  # a child that cannot start fails its next compile instead
                 child.start()
             self._free.put(child)
+            self._started.set()
 
         threading.Thread(target=start, name="grammar-start", daemon=True).start()
 

@@ -24,12 +24,13 @@ from sessionserve.core.admission import AdmissionFull
 from sessionserve.core.session import Session, SessionState
 from sessionserve.core.session_manager import SessionBusyError, SessionMovingError
 from sessionserve.llm_engine import LLMEngine, RequestOutput
+from sessionserve.model.grammar_worker import GrammarBusy
 from sessionserve.obs.cpu_roles import pin_current_thread
 from sessionserve.types.sampling_params import SamplingParams
 from sessionserve.types.sequence import ParkHint
 
-__all__ = ["STALLED_WAIT_S", "AdmissionFull", "AsyncEngine", "EngineDead", "EngineOverloaded", "OutputStream",
-           "Session", "SessionBusyError", "SessionMovingError", "SessionState", "Turn"]
+__all__ = ["STALLED_WAIT_S", "AdmissionFull", "AsyncEngine", "EngineDead", "EngineOverloaded", "GrammarBusy",
+           "OutputStream", "Session", "SessionBusyError", "SessionMovingError", "SessionState", "Turn"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -19,7 +19,7 @@ from fastapi import Request
 from sessionserve.server import protocol as P
 from sessionserve.server.app import engine_error
 from sessionserve.server.auth import tenant_salt
-from sessionserve.server.bridge import OutputStream, SessionMovingError, Turn
+from sessionserve.server.bridge import GrammarBusy, OutputStream, SessionMovingError, Turn
 from sessionserve.server.turn.continuation import NeedFullPrompt
 from sessionserve.types.guided import GuidedDecoding
 from sessionserve.types.sampling_params import SamplingParams
@@ -101,13 +101,17 @@ def make_params(sampling: dict, max_tokens: int | None, num_prompt: int, eng: LL
 async def compile_guided(slot: ModelSlot, guided: GuidedDecoding) -> None:
     """Compile the request's grammar before the engine takes it: in a child process stopped past
     GRAMMAR_TIMEOUT_S, awaited off the event loop and the engine thread (which then finds it cached).
-    A bad spec, or one too slow to compile, is the request's 400."""
+    A bad spec, or one too slow to compile, is the request's 400; compilers all busy with others' grammars
+    past the limit, a 429 to retry."""
     compiler = slot.engine.runner.grammar_compiler
     compiler.use_worker(GRAMMAR_TIMEOUT_S)
     try:
         await asyncio.to_thread(compiler.compile, guided)
     except ValueError as exc:
         raise P.bad_request(str(exc), "tools" if guided.kind == "tool_calls" else "response_format") from None
+    except GrammarBusy as exc:
+        raise P.OpenAIError(429, str(exc), "rate_limit_error", code="grammar_compilers_busy",
+                            retry_after_s=1.0) from None
 
 
 async def start_generation(state: ServerState, request: Request, slot: ModelSlot,
