@@ -31,7 +31,6 @@ import argparse
 import concurrent.futures
 import json
 import multiprocessing
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -149,18 +148,6 @@ def _judge(results: list[StreamResult], reference: dict[int, str]) -> list[str]:
     return out
 
 
-def bob_below_the_server() -> None:
-    """Bob is a client, elsewhere in real life: on this shared 2-core machine his process (eight HTTP client
-    threads at times, more CPU than the server spends on his requests) runs only on CPU the others leave
-    (SCHED_IDLE; else nice 19), so what is measured is the server's isolation of his requests, not the CPU
-    his own process takes from it. At nice 10 his hang-up case alone put 190-200 of Alice's gaps past 22 ms;
-    idle, 42-51 (the server's share of it)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
-
-
 def _slow_gaps_by_case(results: list[StreamResult], outcomes: list, start: float, end: float,
                        bound_s: float) -> tuple[int, dict[str, int]]:
     """How many of Alice's gaps in [start, end) exceed `bound_s`, and how many overlap each case's run."""
@@ -188,7 +175,7 @@ def run_noisy_neighbour(url: str, target: adversarial.Target, *, case_names: lis
     target = adversarial.Target(**{**asdict(target), "victim_request_ids": alice.request_ids})
     report = NoisyReport()
     ctx = multiprocessing.get_context("spawn")  # not fork: this process runs the engine's threads
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=bob_below_the_server) as bob:
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=adversarial.below_the_server) as bob:
         bob.submit(adversarial.case_names).result()  # Bob's process is up and has the corpus loaded
         alice.run_rounds("warm-up", 1)
         before = alice.run_rounds("quiet-before", quiet_rounds)
