@@ -40,7 +40,9 @@ from tests.server.conftest import LiveServer
 NUM_FUZZ = 300
 # Alice's p99 gap while Bob sends the corpus: at most this many times her quiet p99, or the floor (whichever
 # is larger: her quiet p99 is 10-25 ms here, and two shared cores add tens of ms once a second process runs).
-# The goal is 2x; measured 4-7x on the tiny model (bench/RESULTS.md): this bound catches stalls, not that.
+# The goal is 2x, shown by the bench run of the whole corpus (bench/RESULTS.md: 1.63-1.65x over 3 runs); this
+# subset has no schema cases (a short window where floods and hang-ups weigh more) and runs on shared CI
+# machines: this bound catches stalls, not that.
 GAP_P99_RATIO_BOUND = 10.0
 GAP_P99_FLOOR_S = 0.25
 # No gap in Alice's streams may be this long: quiet runs' longest are 10-60 ms, a loaded machine's up to ~1 s
