@@ -243,3 +243,31 @@ def test_text_prompts_and_chat(llm: LLM) -> None:
     assert len(out.token_ids) <= 8 and isinstance(out.text, str)
     reply = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=4, temperature=0))
     assert reply.finish_reason in ("stop", "length")
+
+
+def test_bounded_prefill_beside_decodes_gives_the_same_tokens(tiny_llama: Path) -> None:
+    """`max_prefill_step_s` only splits a prompt that arrives while others decode into smaller chunks: greedy
+    output is the same, and that prompt took more steps to its first token."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    short, long = prompts(2), prompts(1, seed=1)[0] * 8
+
+    def run(**options: float) -> tuple[list[list[int]], int]:
+        llm = LLM(str(tiny_llama), num_blocks=256, max_num_batched_tokens=512, **options)
+        eng = llm.engine
+        rids = [eng.add_request(p, params) for p in short]
+        eng.step()
+        eng.step()  # both decode now
+        eng.core.prefill_s_per_token = 1.0  # as measured: with 1e-6 s a step, the bound is one block
+        rids.append(eng.add_request(long, params))
+        done: dict[str, list[int]] = {}
+        steps_to_first = 0
+        while eng.has_unfinished():
+            steps_to_first += rids[2] not in done and not eng.core.requests[rids[2]].output_token_ids
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        assert_clean(llm)
+        return [done[r] for r in rids], steps_to_first
+
+    plain, plain_steps = run()
+    bounded, bounded_steps = run(max_prefill_step_s=1e-6)
+    assert plain == bounded
+    assert bounded_steps >= len(long) // 16 > plain_steps, (bounded_steps, plain_steps)
