@@ -182,7 +182,7 @@ def _serve(conn: Connection, model_dir: str, stop_token_ids: tuple[int, ...] | N
         except (EOFError, OSError):
             return
         try:
-            size = compiler.compile(guided).memory_size_bytes
+            size = compiler.compile_uncached(guided).memory_size_bytes  # the server keeps what passes
         except ValueError as exc:
             conn.send((False, str(exc)))
             continue

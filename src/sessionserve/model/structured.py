@@ -86,7 +86,7 @@ class GrammarCompiler:
         self.tokenizer_info = xgr.TokenizerInfo(encoded, vocab_type, vocab_size=self.vocab_size,
                                                 stop_token_ids=stops, add_prefix_space=add_prefix_space)
         self.stop_token_ids = tuple(self.tokenizer_info.stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+        self._compiler = self._xgr_compiler(max_threads)
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._failed: OrderedDict[tuple[str, str], str] = OrderedDict()  # spec -> why it did not compile
         self._lock = threading.Lock()
@@ -115,9 +115,9 @@ class GrammarCompiler:
                         self._failed.popitem(last=False)
                 raise
             assert self._background is not None
-            compiled = self._background.submit(self._compile_or_raise, guided).result()
+            compiled = self._background.submit(self.compile_uncached, guided).result()
         else:
-            compiled = self._compile_or_raise(guided)
+            compiled = self.compile_uncached(guided)
         with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > _CACHE_MAX_ENTRIES:
@@ -132,7 +132,7 @@ class GrammarCompiler:
         if self._worker is None:
             self._worker = GrammarWorker(self.model_dir, self._stop_token_ids, timeout_s)
             # One compiler thread, the calling one: xgrammar's own would run at the server's priority.
-            self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1)
+            self._compiler = self._xgr_compiler(1)
             self._background = ThreadPoolExecutor(self._worker.num_children, thread_name_prefix="grammar",
                                                   initializer=lower_thread_priority)
         self._worker.timeout_s = timeout_s
@@ -153,7 +153,12 @@ class GrammarCompiler:
             self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 2 * self._bitmask.shape[0]), self.vocab_size)
         return self._bitmask[:num_rows]
 
-    def _compile_or_raise(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
+    def _xgr_compiler(self, max_threads: int) -> xgr.GrammarCompiler:
+        # Without xgrammar's own cache (unbounded by default): `compile` keeps a bounded one.
+        return xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
+
+    def compile_uncached(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
+        """Compile `guided` now, remembering nothing (a compiler child's check); ValueError for a bad spec."""
         try:
             return self._compile(guided)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports bad specs as these
