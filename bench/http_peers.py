@@ -9,8 +9,10 @@ report compares them (ratios to vLLM).
 Every server gets the same total KV bytes over all its tiers (on a CPU host and
 device are the same RAM): `--kv-cache-bytes` for vLLM (`--kv-cache-memory-bytes`)
 and for `ours` (all of it device KV); `ours-host` splits the same total into
-device KV and a host tier of `--host-kv-bytes`, which its residency policy moves
-parked sessions to; `vllm-offload` splits it the same way for vLLM's own KV
+device KV and a host tier of `--host-kv-bytes` for parked sessions (on a CPU
+`serve` adds a full-precision host tier back to the device KV and says so: as a
+tier the same RAM holds no more tokens); `ours-host-int8` keeps it as a tier stored
+as int8; `ours-admit` turns on session admission by working set; `vllm-offload` splits it the same way for vLLM's own KV
 offloading to CPU memory (`--kv-offloading-size`). Each server's CPU time (its whole process group, from
 /proc) over each load gives the cores it kept busy.
 
@@ -55,10 +57,13 @@ DEFAULT_VLLM_VENV = Path.home() / ".cache" / "sessionserve" / "peers" / "vllm-ve
 OURS: dict[str, tuple[list[str], bool]] = {
     "ours": ([], True),
     "ours-host": ([], True),
+    "ours-host-int8": (["--host-kv-int8"], True),
     # An unmodified client: no session ids; the server finds each conversation from its token ids.
     "ours-no-ids": (["--implicit-sessions", "all"], False),
     # A stateless server: a session's KV is dropped when its turn ends (the prefix cache may still hit).
     "ours-discard": (["--residency-policy", "discard"], True),
+    # Session admission by working set: new sessions wait at the door while the admitted ones' contexts fill the KV.
+    "ours-admit": (["--admission", "working-set"], True),
 }
 # vLLM's own offloading (its OffloadingConnector to CPU memory): the same total, `--host-kv-bytes` of it offloaded.
 SERVERS = (*OURS, "vllm", "vllm-offload")
@@ -70,7 +75,7 @@ def server_command(name: str, a: argparse.Namespace) -> tuple[list[str], dict[st
     common = ["--model", str(a.model), "--port", str(a.port), "--max-num-seqs", str(a.max_num_seqs),
               "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--dtype", a.dtype]
     if name in OURS:
-        host = a.host_kv_bytes if name == "ours-host" else 0
+        host = a.host_kv_bytes if name.startswith("ours-host") else 0
         # Later flags win: a variant's flags override the shared ones.
         return ([sys.executable, "-m", "sessionserve.cli", "serve", *common, "--kv-cache-bytes",
                  str(a.kv_cache_bytes - host), "--host-kv-bytes", str(host), "--residency-policy", a.policy,

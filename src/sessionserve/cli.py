@@ -72,24 +72,31 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from sessionserve.config import Config, ServerConfig
+    from sessionserve.config import Config, ServerConfig, fold_cpu_host_tier
     from sessionserve.llm import resolve_model_path
     from sessionserve.llm_engine import LLMEngine
+    from sessionserve.model.runner import resolve_device
     from sessionserve.obs.cpu_roles import parse_cpus
     from sessionserve.obs.tracing import Tracer, configure_logging
     from sessionserve.server import Auth, create_app
 
     configure_logging(logging.INFO)
+    notes: list[str] = []
+
     def config(spool_dir: str | None) -> Config:
-        return Config.from_env(Config.from_kwargs(
+        built, note = fold_cpu_host_tier(Config.from_env(Config.from_kwargs(
             kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, dtype=args.dtype,
             device=args.device, residency_policy=args.residency_policy, host_kv_bytes=args.host_kv_bytes,
+            host_kv_int8=args.host_kv_int8,
             disk_kv_bytes=args.disk_kv_bytes, spool_dir=spool_dir, kv_store_dir=args.kv_store_dir,
             kv_store_bytes=args.kv_store_bytes, host_prefix_cache_bytes=args.host_prefix_cache_bytes,
             admission=args.admission, admission_fill=args.admission_fill,
             admission_when_full=args.admission_when_full, max_prefill_step_s=args.max_prefill_step_ms and
-            args.max_prefill_step_ms / 1000, **_spec_kwargs(args)))
+            args.max_prefill_step_ms / 1000, **_spec_kwargs(args))), resolve_device(args.device).type)
+        if note and note not in notes:
+            notes.append(note)
+        return built
 
     specs = model_specs(args.model)
     names = args.served_model_name or []
@@ -108,7 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     app = create_app(engines, auth=Auth.from_options(args.api_key, args.keys_file), tracer=Tracer(args.trace),
                      tokenize_cpus=parse_cpus(args.tokenize_cpus), engine_cpus=parse_cpus(args.engine_cpus),
                      aliases=aliases, config=server)
-    print(startup_banner(engines, aliases, f"http://{args.host}:{args.port}", args), flush=True)
+    print(startup_banner(engines, aliases, f"http://{args.host}:{args.port}", args, notes), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
                 log_config=None)
 
@@ -117,7 +124,8 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 30):.1f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / (1 << 20):.0f} MiB"
 
 
-def startup_banner(engines: dict, aliases: dict[str, str], url: str, args: argparse.Namespace) -> str:
+def startup_banner(engines: dict, aliases: dict[str, str], url: str, args: argparse.Namespace,
+                   notes: list[str] = ()) -> str:
     """What a newcomer needs on start: where the server is, what it serves with how much KV per tier, and
     how to point the agents and SDKs at it."""
     lines = [f"sessionserve is serving on {url}"]
@@ -135,6 +143,7 @@ def startup_banner(engines: dict, aliases: dict[str, str], url: str, args: argpa
         admission = eng.config.scheduler.admission
         lines.append(f"    KV cache: device {_size(device)} ({tokens:,} tokens), host tier {host}, disk tier {disk}; "
                      f"parked sessions: {sc.residency_policy} policy; admission: {admission}")
+    lines += [f"    {note}" for note in notes]
     model = next(iter(engines))
     key = "<your API key>" if args.api_key or args.keys_file else "<any>"  # keys are never printed or logged
     lines += [
@@ -194,8 +203,11 @@ def main(argv: list[str] | None = None) -> None:
                             "let in (default), or reject it at once with 429 and Retry-After (when an admitted "
                             "session is expected to leave)")
     serve.add_argument("--host-kv-bytes", type=int, default=0,
-                       help="host-memory KV tier for parked sessions (default 0: off; on a CPU it is the same "
-                            "RAM as the device tier)")
+                       help="host-memory KV tier for parked sessions (default 0: off). On a CPU it is the same "
+                            "RAM as the device KV: without --host-kv-int8 its bytes are added to the device KV")
+    serve.add_argument("--host-kv-int8", action="store_true",
+                       help="store the host tier's KV as int8 with per-block scales (~4x the tokens per byte, a "
+                            "small logit error)")
     serve.add_argument("--disk-kv-bytes", type=int, default=0)
     serve.add_argument("--spool-dir", default=None)
     serve.add_argument("--kv-store-dir", default=None,

@@ -65,6 +65,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-size", default="small", choices=("tiny", "small"), help="embedded model size")
     g.add_argument("--device-kv-bytes", type=int, default=160 * MiB)
     g.add_argument("--host-kv-bytes", type=int, default=2048 * MiB)
+    g.add_argument("--host-kv-int8", action="store_true",
+                   help="inproc/simulate: the host tier stores KV as int8 (serve --host-kv-int8)")
     g.add_argument("--disk-kv-bytes", type=int, default=0)
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -145,7 +147,8 @@ def run_bench(args: argparse.Namespace) -> Path:
         engine_kwargs = dict(kv_cache_bytes=args.device_kv_bytes, host_kv_bytes=args.host_kv_bytes,
                              disk_kv_bytes=args.disk_kv_bytes, num_threads=args.threads,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             dtype=args.dtype, admission=args.admission, admission_fill=args.admission_fill)
+                             dtype=args.dtype, admission=args.admission, admission_fill=args.admission_fill,
+                             host_kv_int8=args.host_kv_int8)
         settings.update({k: v for k, v in engine_kwargs.items() if v is not None}, hint_waits=args.hint_waits)
         warm_up(model_dir, {**engine_kwargs, "residency_policy": policies[0]}, args.seed)
         runs = run_inproc(trace, policies, loads, model_dir, engine_kwargs, seed=args.seed,

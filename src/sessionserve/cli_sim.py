@@ -27,7 +27,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(kv_cache_bytes=args.device_kv_bytes, host_kv_bytes=args.host_kv_bytes,
                 disk_kv_bytes=args.disk_kv_bytes, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, admission=args.admission,
-                admission_fill=args.admission_fill)
+                admission_fill=args.admission_fill, host_kv_int8=args.host_kv_int8)
 
 
 # -- calibrate ------------------------------------------------------------------------------------

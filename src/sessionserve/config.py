@@ -324,6 +324,23 @@ class Config:
         return cls(**subs)
 
 
+def fold_cpu_host_tier(config: Config, device_type: str) -> tuple[Config, str | None]:
+    """On a CPU the host tier is the same RAM as the device KV: a full-precision copy there holds no more
+    tokens than the device would, and every session moved there must come back into device blocks that
+    running turns are using. So its bytes join the device KV, where running turns and parked sessions can
+    both use them. Kept as a tier where it holds more per byte (`host_kv_int8`). Returns the config to
+    build and a line saying what was done (None when nothing was)."""
+    sc = config.session
+    if device_type != "cpu" or not sc.host_kv_bytes or sc.host_kv_int8 or config.cache.num_blocks is not None:
+        return config, None
+    total = config.cache.kv_cache_bytes + sc.host_kv_bytes
+    note = (f"host tier: on a CPU it is the same RAM as the device KV, so its {sc.host_kv_bytes:,} bytes are "
+            f"added to the device KV ({total:,} bytes); keep it as a tier with --host-kv-int8, which stores ~4x "
+            f"the tokens per byte")
+    return replace(config, cache=replace(config.cache, kv_cache_bytes=total),
+                   session=replace(sc, host_kv_bytes=0)), note
+
+
 _PARTS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                            "session": SessionConfig, "speculative": SpeculativeConfig}
 

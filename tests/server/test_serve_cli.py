@@ -1,4 +1,5 @@
-"""`sessionserve serve` starts on the embedded default model with no model argument, and stops cleanly."""
+"""`sessionserve serve` starts on the embedded default model with no model argument, states its KV tiers, and stops
+cleanly."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from tests.server.conftest import free_port, wait_healthy
 
 def test_serve_starts_on_the_default_model_and_drains_on_sigterm() -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sessionserve.cli", "serve", "--port", str(port)],
+    # A host tier on a CPU is the same RAM as the device KV: its bytes join the device KV, and the banner says so.
+    proc = subprocess.Popen([sys.executable, "-m", "sessionserve.cli", "serve", "--port", str(port),
+                             "--kv-cache-bytes", str(96 << 20), "--host-kv-bytes", str(32 << 20)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -38,3 +41,5 @@ def test_serve_starts_on_the_default_model_and_drains_on_sigterm() -> None:
     # uvicorn re-raises the signal once shutdown is complete, so -SIGTERM is a clean exit too.
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "Application shutdown complete" in out
+    assert "KV cache: device 128 MiB" in out and "host tier off" in out, out
+    assert "added to the device KV" in out, out

@@ -136,7 +136,7 @@ def serve_from_args(args: Any) -> None:
     engine_kwargs = {"kv_cache_bytes": args.kv_cache_bytes, "max_num_seqs": args.max_num_seqs,
                          "max_num_batched_tokens": args.max_num_batched_tokens, "num_threads": args.threads,
                          "dtype": args.dtype, "device": args.device, "residency_policy": args.residency_policy,
-                         "host_kv_bytes": args.host_kv_bytes, "disk_kv_bytes": args.disk_kv_bytes, "spool_dir": args.spool_dir,
+                         "host_kv_bytes": args.host_kv_bytes, "host_kv_int8": args.host_kv_int8, "disk_kv_bytes": args.disk_kv_bytes, "spool_dir": args.spool_dir,
                          "kv_store_dir": args.kv_store_dir, "kv_store_bytes": args.kv_store_bytes,
                          "host_prefix_cache_bytes": args.host_prefix_cache_bytes, "admission": args.admission,
                          "admission_fill": args.admission_fill}

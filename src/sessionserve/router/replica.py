@@ -131,14 +131,18 @@ class EngineReplica:
     def __init__(self, options: Any) -> None:
         from ray import serve
 
-        from sessionserve.config import Config
+        from sessionserve.config import Config, fold_cpu_host_tier
         from sessionserve.llm import resolve_model_path
         from sessionserve.llm_engine import LLMEngine
+        from sessionserve.model.runner import resolve_device
         from sessionserve.server import Auth, create_app, make_response_store
 
         self.options = options
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         config = Config.from_env(Config.from_kwargs(**options.engine_kwargs))
+        config, note = fold_cpu_host_tier(config, resolve_device(config.model.device).type)
+        if note:
+            logger.info("replica: %s", note)
         self.engine = LLMEngine(config, resolve_model_path(options.model))
         self.app = create_app(self.engine, model_name=options.model_name, auth=Auth(dict(options.api_keys) or None),
                               response_store=make_response_store(options.store_url))
