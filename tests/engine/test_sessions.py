@@ -374,3 +374,33 @@ def test_streamed_outputs_share_one_copy_of_the_prompt_ids(tiny_llama: Path, tmp
             break
     assert len(seen) >= 6 and all(o.prompt_token_ids is seen[0].prompt_token_ids for o in seen)
     assert seen[0].prompt_token_ids[:40] == [5, 6, 7, 8] * 10 and seen[0].prompt_token_ids[-3:] == [9, 10, 11]
+
+
+def test_restore_and_recompute_counters_add_up(tiny_llama: Path, tmp_path: Path) -> None:
+    """Each way a turn finds its session's KV is counted once, and the counters agree with each other: every
+    byte moved off the device comes back, the recomputed tokens are those the drop threw away, and the
+    prompt tokens computed are the new ones plus the recompute."""
+    eng = make_engine(tiny_llama, tmp_path, enable_prefix_caching=False)
+    sid = eng.open_session()
+    ts = turns(14, n=5)
+    after = ["host", "host-prefetch", "disk", "drop", "keep"]  # what happens to the KV after each turn
+    dropped = 0
+    for new, mode in zip(ts, after):
+        run_to_end(eng, eng.add_request(new, GREEDY, session_id=sid))
+        eng.park(sid, tools=("search",), expected_wait_s=1.0)
+        if mode == "drop":
+            dropped = eng.get_session(sid).num_computed_tokens
+        move(eng, sid, mode)
+    stats = eng.get_session(sid).stats
+    assert stats.num_turns == 5
+    assert stats.num_restore_misses == 2  # resumed from host, then from disk, with no prefetch started
+    assert stats.num_prefetch_hits == 1 and stats.num_prefetch_late == 0
+    assert stats.num_offloaded_bytes > 0 and stats.num_restored_bytes == stats.num_offloaded_bytes
+    assert dropped > 0 and stats.num_recompute_tokens == dropped
+    # New tokens, the previous turn's last sampled token (its KV is computed with the next turn), the recompute.
+    assert stats.num_computed_prompt_tokens == sum(len(t) for t in ts) + (len(ts) - 1) + dropped
+    total = eng.sessions.total_stats()
+    assert eng.close_session(sid)
+    assert eng.sessions.total_stats() == total  # a closed session's counters stay in the totals
+    assert_clean(eng)
+    eng.close()
