@@ -165,7 +165,8 @@ def _dense_paged_reference(q, k_cache, v_cache, tables, seq_idx, pos, scale):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("head_dim,group,block", [(64, 3, 16), (32, 1, 8), (128, 4, 32), (80, 2, 64), (64, 16, 16), (256, 2, 64)])
+@pytest.mark.parametrize("head_dim,group,block", [(64, 3, 16), (32, 1, 8), (128, 4, 32), (80, 2, 64), (64, 16, 16),
+                                                    (64, 7, 16), (256, 2, 64)])  # 7: a group of 4 and one of 3
 def test_paged_attention_matches_dense_softmax(dtype, atol, head_dim, group, block) -> None:
     """Scattered blocks, partial last blocks, GQA groups, block sizes other than the vector width."""
     g = torch.Generator().manual_seed(head_dim * group + block)

@@ -46,8 +46,9 @@ TILE_MIN_ROWS = 16
 # kernel streams the whole context once per row (2 threads, fp32, 12/4 heads of 64: break-even at
 # 16-32 rows, gather 1.8x faster at 32 rows over 1k tokens, 3.7x at 64 over 4k).
 GATHER_MIN_ROWS = 32
-# The same for the gather into our GEMMs (float32 on CPU), which pay off sooner: break-even at 4-5 rows
-# (32 sequences over 256-1,024 cached tokens, 2 threads), gather 1.2-1.9x faster at 8 rows, 1.4-3x at 16.
+# The same for the gather into our GEMMs (float32 on CPU), which pay off sooner: break-even at about 8 rows
+# with the AVX2 paged kernel (one sequence, 2 threads: at 8 rows the paged kernel takes 0.49x the gather's
+# time over 256 cached tokens, 1.05-1.08x over 1,024-4,096; at 16 rows 0.82x, 1.24-1.48x; at 32, 1.1-1.9x).
 GEMM_GATHER_MIN_ROWS = 8
 # With AMX, context chunks of this many rows and more take the split flash attention (`split_attention`);
 # shorter ones the tile kernel or the paged one. 2 threads, 12/4 heads of 64, bf16, against the tile kernel:

@@ -335,6 +335,150 @@ void paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const 
 }
 #endif  // AVX512-BF16
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SESSIONSERVE_AVX2_DECODE 1
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// Scores of one block's n keys for NG query heads sharing a KV head: s[g][j] = q[g] . k[j]. NG is a
+// compile-time count, so the NG running sums are registers and each key row is read once for all NG.
+template <int NG>
+inline void scores_avx2(const float (*qf)[kMaxHeadDim], const float* kb, int64_t n, int64_t D, float (*s)[kMaxBlock]) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = kb + j * D;
+    __m256 a[NG], b[NG];  // two sums per head: halves the FMA chain
+    for (int g = 0; g < NG; ++g) a[g] = b[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256 k0 = _mm256_loadu_ps(kj + d), k1 = _mm256_loadu_ps(kj + d + 8);
+      for (int g = 0; g < NG; ++g) {
+        a[g] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + d), k0, a[g]);
+        b[g] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + d + 8), k1, b[g]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) s[g][j] = hsum8(_mm256_add_ps(a[g], b[g]));
+  }
+}
+
+// acc[g] += sum_j p[g][j] * v[j] for NG heads, 16 dimensions at a time: the 2 x NG slices are registers
+// over the block's keys, loaded and stored once per block.
+template <int NG>
+inline void values_avx2(float (*acc)[kMaxHeadDim], const float (*p)[kMaxBlock], const float* vb, int64_t n,
+                        int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) {
+    __m256 r0[NG], r1[NG];
+    for (int g = 0; g < NG; ++g) {
+      r0[g] = _mm256_load_ps(acc[g] + d);
+      r1[g] = _mm256_load_ps(acc[g] + d + 8);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(vb + j * D + d), v1 = _mm256_loadu_ps(vb + j * D + d + 8);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 w = _mm256_broadcast_ss(p[g] + j);
+        r0[g] = _mm256_fmadd_ps(w, v0, r0[g]);
+        r1[g] = _mm256_fmadd_ps(w, v1, r1[g]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      _mm256_store_ps(acc[g] + d, r0[g]);
+      _mm256_store_ps(acc[g] + d + 8, r1[g]);
+    }
+  }
+}
+
+// The same contract as paged_attention_vec for float32 on AVX2 (D % 16 == 0): the G heads of a KV head
+// go through the block in groups of up to 4 whose sums stay in registers (the generic vector code keeps
+// them in memory).
+void paged_attention_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const int32_t* bt, const int32_t* si, const int32_t* ps, int64_t MB, float sc,
+                          at::Tensor& out) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(1), BS = k_cache.size(2);
+  const int64_t G = H / Hkv;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxGroup][kMaxHeadDim];
+    alignas(64) float qf[kMaxGroup][kMaxHeadDim];
+    alignas(64) float s[kMaxGroup][kMaxBlock];
+    float m[kMaxGroup], l[kMaxGroup];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / Hkv, kh = task % Hkv, ctx = static_cast<int64_t>(ps[t]) + 1;
+      const float* qt = qp + (t * H + kh * G) * D;
+      const int32_t* table = bt + static_cast<int64_t>(si[t]) * MB;
+      for (int64_t g = 0; g < G; ++g) {
+        m[g] = -std::numeric_limits<float>::infinity();
+        l[g] = 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+          acc[g][d] = 0.f;
+          qf[g][d] = qt[g * D + d] * sc;
+        }
+      }
+      for (int64_t b = 0; b * BS < ctx; ++b) {
+        const int64_t n = std::min<int64_t>(BS, ctx - b * BS);
+        const int64_t off = ((static_cast<int64_t>(table[b]) * Hkv + kh) * BS) * D;
+        const float* kb = kp + off;
+        const float* vb = vp + off;
+        if ((b + 1) * BS < ctx) {  // blocks are scattered: fetch the next one while this one computes
+          const int64_t next = ((static_cast<int64_t>(table[b + 1]) * Hkv + kh) * BS) * D;
+          prefetch_kv(kp + next, vp + next, BS * D);
+        }
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          switch (std::min<int64_t>(4, G - g0)) {
+            case 1: scores_avx2<1>(qf + g0, kb, n, D, s + g0); break;
+            case 2: scores_avx2<2>(qf + g0, kb, n, D, s + g0); break;
+            case 3: scores_avx2<3>(qf + g0, kb, n, D, s + g0); break;
+            default: scores_avx2<4>(qf + g0, kb, n, D, s + g0); break;
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {  // online softmax: rescale what was summed if the max rose
+          float bmax = s[g][0];
+          for (int64_t j = 1; j < n; ++j) bmax = std::max(bmax, s[g][j]);
+          const float new_m = std::max(m[g], bmax);
+          const float corr = std::exp(m[g] - new_m);
+          const int64_t chunks = (n + W - 1) / W;
+          for (int64_t j = n; j < chunks * W; ++j) s[g][j] = -std::numeric_limits<float>::infinity();
+          vf sum = vf{};
+          for (int64_t c = 0; c < chunks; ++c) {
+            const vf e = vexp(loadu(s[g] + c * W) - new_m);
+            storeu(s[g] + c * W, e);
+            sum += e;
+          }
+          // lanes past n hold exp(-87) ~ 1e-38 each: far below float resolution of l
+          l[g] = l[g] * corr + hsum(sum);
+          m[g] = new_m;
+          if (corr != 1.f) {
+            const __m256 cv = _mm256_set1_ps(corr);
+            for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[g] + d, _mm256_mul_ps(_mm256_load_ps(acc[g] + d), cv));
+          }
+        }
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          switch (std::min<int64_t>(4, G - g0)) {
+            case 1: values_avx2<1>(acc + g0, s + g0, vb, n, D); break;
+            case 2: values_avx2<2>(acc + g0, s + g0, vb, n, D); break;
+            case 3: values_avx2<3>(acc + g0, s + g0, vb, n, D); break;
+            default: values_avx2<4>(acc + g0, s + g0, vb, n, D); break;
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = op + (t * H + kh * G + g) * D;
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[g][d] * inv;
+      }
+    }
+  });
+}
+#endif  // AVX2 + FMA
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_idx,
                            const at::Tensor& pos, double scale) {
@@ -351,6 +495,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 #ifdef SESSIONSERVE_BF16_DECODE
   if (q.scalar_type() == at::kBFloat16 && D % 32 == 0 && BS % 2 == 0) {
     paged_attention_bf16(q, k_cache, v_cache, tables.data_ptr<int32_t>(), seqs.data_ptr<int32_t>(),
+                         positions.data_ptr<int32_t>(), tables.size(1), static_cast<float>(scale), out);
+    return out;
+  }
+#endif
+#ifdef SESSIONSERVE_AVX2_DECODE
+  if (q.scalar_type() == at::kFloat) {
+    paged_attention_avx2(q, k_cache, v_cache, tables.data_ptr<int32_t>(), seqs.data_ptr<int32_t>(),
                          positions.data_ptr<int32_t>(), tables.size(1), static_cast<float>(scale), out);
     return out;
   }
