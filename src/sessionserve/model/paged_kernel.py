@@ -11,7 +11,7 @@ query heads that share a KV head (GQA) share each read. It is written on
 must be a multiple of 16 (`supports`); other shapes use the gather path. Work
 is split over (token, KV head) pairs on torch's OpenMP thread pool. float32 on
 AVX2 takes a path in intrinsics whose per-head sums stay in registers for the
-whole block (2.3-2.8x the generic vector code's speed on llama-small's decode
+whole block (2-4x the generic vector code's speed on llama-small's decode
 shapes, `bench/attention_kernels.py`, its decode table); bfloat16 on AVX512-BF16 has its own.
 
 The C++ is in `model/kernels/*.cpp`. The extension is compiled with the system compiler into a cache folder keyed
