@@ -1,6 +1,6 @@
 """The CPU attention kernels alone: bf16 prefill tiles vs SDPA and vs the paged kernel on context chunks; fp32
-fresh prefills through SDPA vs our GEMMs, and fp32 context chunks through the paged kernel vs a gather of the
-context and our GEMMs.
+fresh prefills through SDPA vs our GEMMs; float32 and bfloat16 decode through the paged kernel; and fp32
+context chunks through the paged kernel vs a gather of the context and our GEMMs.
 
     .venv/bin/python bench/attention_kernels.py [--threads 2] [--repeats 5]
 
@@ -74,12 +74,15 @@ def main() -> None:
     print("| path | ms | vs SDPA |\n|---|---|---|")
     print(f"| SDPA (fused, causal) | {sdpa:.2f} | 1.00x |\n| GEMMs | {gemm:.2f} | {sdpa / gemm:.2f}x |\n")
 
-    print(f"float32 decode, scattered blocks, {H}/{Hkv} heads of {D}, block size {BS}, {a.threads} threads")
-    print("| sequences | context | paged kernel ms | KV read GB/s |\n|---|---|---|---|")
-    for seqs, ctx in ((1, 2000), (2, 2000), (8, 2000), (8, 4000), (32, 1000)):
-        ms = decode_fp32(seqs, ctx, H, Hkv, D, BS, g, a.repeats)
-        print(f"| {seqs} | {ctx} | {ms:.3f} | {seqs * ctx * Hkv * D * 4 * 2 / ms / 1e6:.1f} |")
-    print()
+    for dtype in (torch.float32, bf16):
+        name = str(dtype).removeprefix("torch.")
+        print(f"{name} decode, scattered blocks, {H}/{Hkv} heads of {D}, block size {BS}, {a.threads} threads")
+        print("| sequences | context | paged kernel ms | KV read GB/s |\n|---|---|---|---|")
+        for seqs, ctx in ((1, 2000), (2, 2000), (8, 2000), (8, 4000), (32, 1000)):
+            ms = decode(seqs, ctx, H, Hkv, D, BS, dtype, g, a.repeats)
+            gb = seqs * ctx * Hkv * D * dtype.itemsize * 2 / ms / 1e6
+            print(f"| {seqs} | {ctx} | {ms:.3f} | {gb:.1f} |")
+        print()
 
     print(f"float32 context chunks, one sequence, {H}/{Hkv} heads of {D}, block size {BS}, {a.threads} threads")
     print("| cached tokens | new rows | paged kernel ms | gather + GEMMs ms | paged / gather |\n|---|---|---|---|---|")
@@ -116,13 +119,14 @@ def main() -> None:
                   f"| {split / tile:.2f}x |")
 
 
-def decode_fp32(seqs: int, ctx: int, H: int, Hkv: int, D: int, BS: int, g: torch.Generator, repeats: int) -> float:
+def decode(seqs: int, ctx: int, H: int, Hkv: int, D: int, BS: int, dtype: torch.dtype, g: torch.Generator,
+           repeats: int) -> float:
     """ms of the paged kernel for one decode query per sequence over `ctx` cached tokens in scattered blocks."""
     nb = -(-ctx // BS)
-    k_cache = torch.randn(seqs * nb + 4, Hkv, BS, D, generator=g)
-    v_cache = torch.randn(seqs * nb + 4, Hkv, BS, D, generator=g)
+    k_cache = torch.randn(seqs * nb + 4, Hkv, BS, D, generator=g).to(dtype)
+    v_cache = torch.randn(seqs * nb + 4, Hkv, BS, D, generator=g).to(dtype)
     tables = torch.randperm(seqs * nb + 4, generator=g)[:seqs * nb].view(seqs, nb).to(torch.int32)
-    q = torch.randn(seqs, H, D, generator=g)
+    q = torch.randn(seqs, H, D, generator=g).to(dtype)
     seq, pos = torch.arange(seqs, dtype=torch.int32), torch.full((seqs,), ctx - 1, dtype=torch.int32)
     return timed_ms(lambda: paged_kernel.paged_attention(q, k_cache, v_cache, tables, seq, pos, D ** -0.5), repeats)
 

@@ -9,10 +9,11 @@ keys and values straight out of the block pool with an online softmax, and the
 query heads that share a KV head (GQA) share each read. It is written on
 16-float vectors (scores, exp and the weighted sum of values), so head sizes
 must be a multiple of 16 (`supports`); other shapes use the gather path. Work
-is split over (token, KV head) pairs on torch's OpenMP thread pool. float32 on
-AVX2 takes a path in intrinsics whose per-head sums stay in registers for the
-whole block (2-4x the generic vector code's speed on llama-small's decode
-shapes, `bench/attention_kernels.py`, its decode table); bfloat16 on AVX512-BF16 has its own.
+is split over (token, KV head) pairs on torch's OpenMP thread pool. On AVX2,
+float32 and bfloat16 take a path in intrinsics whose per-head sums stay in
+registers for the whole block (2-4x the generic vector code's speed on
+llama-small's decode shapes: `bench/attention_kernels.py`, its decode tables);
+bfloat16 on AVX512-BF16 has its own.
 
 The C++ is in `model/kernels/*.cpp`. The extension is compiled with the system compiler into a cache folder keyed
 by the source and the torch version; if that fails (no compiler, no ninja),

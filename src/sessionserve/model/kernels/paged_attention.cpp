@@ -339,6 +339,12 @@ void paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const 
 #include <immintrin.h>
 #define SESSIONSERVE_AVX2_DECODE 1
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 inline float hsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -348,14 +354,14 @@ inline float hsum8(__m256 v) {
 
 // Scores of one block's n keys for NG query heads sharing a KV head: s[g][j] = q[g] . k[j]. NG is a
 // compile-time count, so the NG running sums are registers and each key row is read once for all NG.
-template <int NG>
-inline void scores_avx2(const float (*qf)[kMaxHeadDim], const float* kb, int64_t n, int64_t D, float (*s)[kMaxBlock]) {
+template <int NG, typename scalar_t>
+inline void scores_avx2(const float (*qf)[kMaxHeadDim], const scalar_t* kb, int64_t n, int64_t D, float (*s)[kMaxBlock]) {
   for (int64_t j = 0; j < n; ++j) {
-    const float* kj = kb + j * D;
+    const scalar_t* kj = kb + j * D;
     __m256 a[NG], b[NG];  // two sums per head: halves the FMA chain
     for (int g = 0; g < NG; ++g) a[g] = b[g] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
-      const __m256 k0 = _mm256_loadu_ps(kj + d), k1 = _mm256_loadu_ps(kj + d + 8);
+      const __m256 k0 = load8(kj + d), k1 = load8(kj + d + 8);
       for (int g = 0; g < NG; ++g) {
         a[g] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + d), k0, a[g]);
         b[g] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + d + 8), k1, b[g]);
@@ -367,8 +373,8 @@ inline void scores_avx2(const float (*qf)[kMaxHeadDim], const float* kb, int64_t
 
 // acc[g] += sum_j p[g][j] * v[j] for NG heads, 16 dimensions at a time: the 2 x NG slices are registers
 // over the block's keys, loaded and stored once per block.
-template <int NG>
-inline void values_avx2(float (*acc)[kMaxHeadDim], const float (*p)[kMaxBlock], const float* vb, int64_t n,
+template <int NG, typename scalar_t>
+inline void values_avx2(float (*acc)[kMaxHeadDim], const float (*p)[kMaxBlock], const scalar_t* vb, int64_t n,
                         int64_t D) {
   for (int64_t d = 0; d < D; d += 16) {
     __m256 r0[NG], r1[NG];
@@ -377,7 +383,7 @@ inline void values_avx2(float (*acc)[kMaxHeadDim], const float (*p)[kMaxBlock], 
       r1[g] = _mm256_load_ps(acc[g] + d + 8);
     }
     for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(vb + j * D + d), v1 = _mm256_loadu_ps(vb + j * D + d + 8);
+      const __m256 v0 = load8(vb + j * D + d), v1 = load8(vb + j * D + d + 8);
       for (int g = 0; g < NG; ++g) {
         const __m256 w = _mm256_broadcast_ss(p[g] + j);
         r0[g] = _mm256_fmadd_ps(w, v0, r0[g]);
@@ -391,19 +397,20 @@ inline void values_avx2(float (*acc)[kMaxHeadDim], const float (*p)[kMaxBlock], 
   }
 }
 
-// The same contract as paged_attention_vec for float32 on AVX2 (D % 16 == 0): the G heads of a KV head
-// go through the block in groups of up to 4 whose sums stay in registers (the generic vector code keeps
-// them in memory).
+// The same contract as paged_attention_vec for float32 and bfloat16 on AVX2 (D % 16 == 0): the G heads
+// of a KV head go through the block in groups of up to 4 whose sums stay in registers (the generic vector
+// code keeps them in memory). Arithmetic in float32.
+template <typename scalar_t>
 void paged_attention_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const int32_t* bt, const int32_t* si, const int32_t* ps, int64_t MB, float sc,
                           at::Tensor& out) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(1), BS = k_cache.size(2);
   const int64_t G = H / Hkv;
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
 
   at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxGroup][kMaxHeadDim];
@@ -412,21 +419,21 @@ void paged_attention_avx2(const at::Tensor& q, const at::Tensor& k_cache, const 
     float m[kMaxGroup], l[kMaxGroup];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / Hkv, kh = task % Hkv, ctx = static_cast<int64_t>(ps[t]) + 1;
-      const float* qt = qp + (t * H + kh * G) * D;
+      const scalar_t* qt = qp + (t * H + kh * G) * D;
       const int32_t* table = bt + static_cast<int64_t>(si[t]) * MB;
       for (int64_t g = 0; g < G; ++g) {
         m[g] = -std::numeric_limits<float>::infinity();
         l[g] = 0.f;
         for (int64_t d = 0; d < D; ++d) {
           acc[g][d] = 0.f;
-          qf[g][d] = qt[g * D + d] * sc;
+          qf[g][d] = static_cast<float>(qt[g * D + d]) * sc;
         }
       }
       for (int64_t b = 0; b * BS < ctx; ++b) {
         const int64_t n = std::min<int64_t>(BS, ctx - b * BS);
         const int64_t off = ((static_cast<int64_t>(table[b]) * Hkv + kh) * BS) * D;
-        const float* kb = kp + off;
-        const float* vb = vp + off;
+        const scalar_t* kb = kp + off;
+        const scalar_t* vb = vp + off;
         if ((b + 1) * BS < ctx) {  // blocks are scattered: fetch the next one while this one computes
           const int64_t next = ((static_cast<int64_t>(table[b + 1]) * Hkv + kh) * BS) * D;
           prefetch_kv(kp + next, vp + next, BS * D);
@@ -470,9 +477,9 @@ void paged_attention_avx2(const at::Tensor& q, const at::Tensor& k_cache, const 
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        float* o = op + (t * H + kh * G + g) * D;
+        scalar_t* o = op + (t * H + kh * G + g) * D;
         const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[g][d] * inv;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g][d] * inv);
       }
     }
   });
@@ -501,8 +508,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 #endif
 #ifdef SESSIONSERVE_AVX2_DECODE
   if (q.scalar_type() == at::kFloat) {
-    paged_attention_avx2(q, k_cache, v_cache, tables.data_ptr<int32_t>(), seqs.data_ptr<int32_t>(),
+    paged_attention_avx2<float>(q, k_cache, v_cache, tables.data_ptr<int32_t>(), seqs.data_ptr<int32_t>(),
                          positions.data_ptr<int32_t>(), tables.size(1), static_cast<float>(scale), out);
+    return out;
+  }
+  if (q.scalar_type() == at::kBFloat16) {  // without AVX512-BF16 (that path returned above)
+    paged_attention_avx2<c10::BFloat16>(q, k_cache, v_cache, tables.data_ptr<int32_t>(), seqs.data_ptr<int32_t>(),
+                                        positions.data_ptr<int32_t>(), tables.size(1), static_cast<float>(scale), out);
     return out;
   }
 #endif
