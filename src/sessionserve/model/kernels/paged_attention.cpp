@@ -79,16 +79,53 @@ inline void prefetch_kv(const T* k, const T* v, int64_t n) {
   }
 }
 
+// One block's steps on 16-float vectors, for any dtype and group size: scores s[g][j] = q[g] . k[j], and
+// acc[g] += s[g][j] * v[j] (the sums of a group kept in memory).
+struct VecBlockSteps {
+  template <typename scalar_t>
+  void scores(const float (*qf)[kMaxHeadDim], const scalar_t* kb, int64_t n, int64_t G, int64_t C, int64_t D,
+              float (*s)[kMaxBlock]) const {
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* kj = kb + j * D;
+      if (G == 1) {  // one query head: reuse nothing, keep the loads in flight
+        vf a = vf{};
+        for (int64_t c = 0; c < C; ++c) a += loadu(qf[0] + c * W) * load_f(kj + c * W);
+        s[0][j] = hsum(a);
+        continue;
+      }
+      vf a[kMaxGroup];
+      for (int64_t g = 0; g < G; ++g) a[g] = vf{};
+      for (int64_t c = 0; c < C; ++c) {
+        const vf kc = load_f(kj + c * W);
+        for (int64_t g = 0; g < G; ++g) a[g] += loadu(qf[g] + c * W) * kc;
+      }
+      for (int64_t g = 0; g < G; ++g) s[g][j] = hsum(a[g]);
+    }
+  }
+  template <typename scalar_t>
+  void values(float (*acc)[kMaxHeadDim], const float (*s)[kMaxBlock], const scalar_t* vb, int64_t n, int64_t G,
+              int64_t C, int64_t D) const {
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* vj = vb + j * D;
+      for (int64_t c = 0; c < C; ++c) {
+        const vf vc = load_f(vj + c * W);
+        for (int64_t g = 0; g < G; ++g) storeu(acc[g] + c * W, loadu(acc[g] + c * W) + s[g][j] * vc);
+      }
+    }
+  }
+};
+
 // q: (T, H, D); caches: (NB, Hkv, BS, D); block_tables: (S, MB) int32;
 // seq_idx, pos: (T,) int32. Query t attends to keys [0, pos[t]] of sequence seq_idx[t].
 // Inputs may be float32, bfloat16 or float16; all arithmetic is in float32, 16 lanes at a
 // time (D % 16 == 0). Scores of one block for each query head are computed, exponentiated and
 // summed as vectors (online softmax); the running output of the G heads sharing a KV head
-// stays in one buffer.
-template <typename scalar_t>
+// stays in one buffer. `step` computes a block's scores and adds its values (VecBlockSteps, or
+// Avx2BlockSteps on AVX2).
+template <typename scalar_t, typename Steps = VecBlockSteps>
 void paged_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const int32_t* bt, const int32_t* si, const int32_t* ps, int64_t MB,
-                         float sc, at::Tensor& out) {
+                         float sc, at::Tensor& out, Steps step = {}) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(1), BS = k_cache.size(2);
   const int64_t G = H / Hkv, C = D / W;
@@ -124,22 +161,7 @@ void paged_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const a
           const int64_t next = ((static_cast<int64_t>(table[b + 1]) * Hkv + kh) * BS) * D;
           prefetch_kv(kp + next, vp + next, BS * D);
         }
-        for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* kj = kb + j * D;
-          if (G == 1) {  // one query head: reuse nothing, keep the loads in flight
-            vf a = vf{};
-            for (int64_t c = 0; c < C; ++c) a += loadu(qf[0] + c * W) * load_f(kj + c * W);
-            s[0][j] = hsum(a);
-            continue;
-          }
-          vf a[kMaxGroup];
-          for (int64_t g = 0; g < G; ++g) a[g] = vf{};
-          for (int64_t c = 0; c < C; ++c) {
-            const vf kc = load_f(kj + c * W);
-            for (int64_t g = 0; g < G; ++g) a[g] += loadu(qf[g] + c * W) * kc;
-          }
-          for (int64_t g = 0; g < G; ++g) s[g][j] = hsum(a[g]);
-        }
+        step.scores(qf, kb, n, G, C, D, s);
         for (int64_t g = 0; g < G; ++g) {
           for (int64_t j = n; j < chunks * W; ++j) s[g][j] = -std::numeric_limits<float>::infinity();
           vf mx = loadu(s[g]);
@@ -164,13 +186,7 @@ void paged_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const a
             for (int64_t c = 0; c < C; ++c) storeu(acc[g] + c * W, loadu(acc[g] + c * W) * corr);
           }
         }
-        for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* vj = vb + j * D;
-          for (int64_t c = 0; c < C; ++c) {
-            const vf vc = load_f(vj + c * W);
-            for (int64_t g = 0; g < G; ++g) storeu(acc[g] + c * W, loadu(acc[g] + c * W) + s[g][j] * vc);
-          }
-        }
+        step.values(acc, s, vb, n, G, C, D);
       }
       for (int64_t g = 0; g < G; ++g) {
         scalar_t* o = op + (t * H + kh * G + g) * D;
@@ -397,93 +413,34 @@ inline void values_avx2(float (*acc)[kMaxHeadDim], const float (*p)[kMaxBlock], 
   }
 }
 
-// The same contract as paged_attention_vec for float32 and bfloat16 on AVX2 (D % 16 == 0): the G heads
-// of a KV head go through the block in groups of up to 4 whose sums stay in registers (the generic vector
-// code keeps them in memory). Arithmetic in float32.
-template <typename scalar_t>
-void paged_attention_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const int32_t* bt, const int32_t* si, const int32_t* ps, int64_t MB, float sc,
-                          at::Tensor& out) {
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t Hkv = k_cache.size(1), BS = k_cache.size(2);
-  const int64_t G = H / Hkv;
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
-
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kMaxGroup][kMaxHeadDim];
-    alignas(64) float qf[kMaxGroup][kMaxHeadDim];
-    alignas(64) float s[kMaxGroup][kMaxBlock];
-    float m[kMaxGroup], l[kMaxGroup];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / Hkv, kh = task % Hkv, ctx = static_cast<int64_t>(ps[t]) + 1;
-      const scalar_t* qt = qp + (t * H + kh * G) * D;
-      const int32_t* table = bt + static_cast<int64_t>(si[t]) * MB;
-      for (int64_t g = 0; g < G; ++g) {
-        m[g] = -std::numeric_limits<float>::infinity();
-        l[g] = 0.f;
-        for (int64_t d = 0; d < D; ++d) {
-          acc[g][d] = 0.f;
-          qf[g][d] = static_cast<float>(qt[g * D + d]) * sc;
-        }
-      }
-      for (int64_t b = 0; b * BS < ctx; ++b) {
-        const int64_t n = std::min<int64_t>(BS, ctx - b * BS);
-        const int64_t off = ((static_cast<int64_t>(table[b]) * Hkv + kh) * BS) * D;
-        const scalar_t* kb = kp + off;
-        const scalar_t* vb = vp + off;
-        if ((b + 1) * BS < ctx) {  // blocks are scattered: fetch the next one while this one computes
-          const int64_t next = ((static_cast<int64_t>(table[b + 1]) * Hkv + kh) * BS) * D;
-          prefetch_kv(kp + next, vp + next, BS * D);
-        }
-        for (int64_t g0 = 0; g0 < G; g0 += 4) {
-          switch (std::min<int64_t>(4, G - g0)) {
-            case 1: scores_avx2<1>(qf + g0, kb, n, D, s + g0); break;
-            case 2: scores_avx2<2>(qf + g0, kb, n, D, s + g0); break;
-            case 3: scores_avx2<3>(qf + g0, kb, n, D, s + g0); break;
-            default: scores_avx2<4>(qf + g0, kb, n, D, s + g0); break;
-          }
-        }
-        for (int64_t g = 0; g < G; ++g) {  // online softmax: rescale what was summed if the max rose
-          float bmax = s[g][0];
-          for (int64_t j = 1; j < n; ++j) bmax = std::max(bmax, s[g][j]);
-          const float new_m = std::max(m[g], bmax);
-          const float corr = std::exp(m[g] - new_m);
-          const int64_t chunks = (n + W - 1) / W;
-          for (int64_t j = n; j < chunks * W; ++j) s[g][j] = -std::numeric_limits<float>::infinity();
-          vf sum = vf{};
-          for (int64_t c = 0; c < chunks; ++c) {
-            const vf e = vexp(loadu(s[g] + c * W) - new_m);
-            storeu(s[g] + c * W, e);
-            sum += e;
-          }
-          // lanes past n hold exp(-87) ~ 1e-38 each: far below float resolution of l
-          l[g] = l[g] * corr + hsum(sum);
-          m[g] = new_m;
-          if (corr != 1.f) {
-            const __m256 cv = _mm256_set1_ps(corr);
-            for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[g] + d, _mm256_mul_ps(_mm256_load_ps(acc[g] + d), cv));
-          }
-        }
-        for (int64_t g0 = 0; g0 < G; g0 += 4) {
-          switch (std::min<int64_t>(4, G - g0)) {
-            case 1: values_avx2<1>(acc + g0, s + g0, vb, n, D); break;
-            case 2: values_avx2<2>(acc + g0, s + g0, vb, n, D); break;
-            case 3: values_avx2<3>(acc + g0, s + g0, vb, n, D); break;
-            default: values_avx2<4>(acc + g0, s + g0, vb, n, D); break;
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        scalar_t* o = op + (t * H + kh * G + g) * D;
-        const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g][d] * inv);
+// The block steps for float32 and bfloat16 on AVX2 (D % 16 == 0): the G heads of a KV head in groups of up
+// to 4 whose sums stay in registers over the block (the vector steps keep them in memory).
+struct Avx2BlockSteps {
+  template <typename scalar_t>
+  void scores(const float (*qf)[kMaxHeadDim], const scalar_t* kb, int64_t n, int64_t G, int64_t, int64_t D,
+              float (*s)[kMaxBlock]) const {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 1: scores_avx2<1>(qf + g0, kb, n, D, s + g0); break;
+        case 2: scores_avx2<2>(qf + g0, kb, n, D, s + g0); break;
+        case 3: scores_avx2<3>(qf + g0, kb, n, D, s + g0); break;
+        default: scores_avx2<4>(qf + g0, kb, n, D, s + g0); break;
       }
     }
-  });
-}
+  }
+  template <typename scalar_t>
+  void values(float (*acc)[kMaxHeadDim], const float (*s)[kMaxBlock], const scalar_t* vb, int64_t n, int64_t G,
+              int64_t, int64_t D) const {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 1: values_avx2<1>(acc + g0, s + g0, vb, n, D); break;
+        case 2: values_avx2<2>(acc + g0, s + g0, vb, n, D); break;
+        case 3: values_avx2<3>(acc + g0, s + g0, vb, n, D); break;
+        default: values_avx2<4>(acc + g0, s + g0, vb, n, D); break;
+      }
+    }
+  }
+};
 #endif  // AVX2 + FMA
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -508,13 +465,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 #endif
 #ifdef SESSIONSERVE_AVX2_DECODE
   if (q.scalar_type() == at::kFloat) {
-    paged_attention_avx2<float>(q, k_cache, v_cache, tables.data_ptr<int32_t>(), seqs.data_ptr<int32_t>(),
-                         positions.data_ptr<int32_t>(), tables.size(1), static_cast<float>(scale), out);
+    paged_attention_vec<float>(q, k_cache, v_cache, tables.data_ptr<int32_t>(), seqs.data_ptr<int32_t>(),
+                               positions.data_ptr<int32_t>(), tables.size(1), static_cast<float>(scale), out,
+                               Avx2BlockSteps{});
     return out;
   }
   if (q.scalar_type() == at::kBFloat16) {  // without AVX512-BF16 (that path returned above)
-    paged_attention_avx2<c10::BFloat16>(q, k_cache, v_cache, tables.data_ptr<int32_t>(), seqs.data_ptr<int32_t>(),
-                                        positions.data_ptr<int32_t>(), tables.size(1), static_cast<float>(scale), out);
+    paged_attention_vec<c10::BFloat16>(q, k_cache, v_cache, tables.data_ptr<int32_t>(), seqs.data_ptr<int32_t>(),
+                                       positions.data_ptr<int32_t>(), tables.size(1), static_cast<float>(scale), out,
+                                       Avx2BlockSteps{});
     return out;
   }
 #endif
