@@ -7,9 +7,9 @@ The embedded `small` model loaded and packed as the engine does it
 o, gate|up (`PackedSiluGateUp`) and down, then the LM head, one call of each
 per step, the step timed for M rows. With so few rows a step reads ~460 MB
 of float32 weights (half in bfloat16), so time is weight traffic: a kernel
-that reads the weight slower shows here. "padded" is what the engine does
-(`packed_linear.MIN_GEMM_ROWS`: fewer rows run as 4, zeros below); "as is"
-is the same modules with that minimum set to 1. Median of `--repeats` steps
+that reads the weight slower shows here. "padded" runs fewer rows as 4
+(zeros below), what the engine does on AVX-512 parts (`packed_linear.MIN_GEMM_ROWS`;
+one row elsewhere); "as is" is the same modules with that minimum set to 1. Median of `--repeats` steps
 after one warm-up; both paths' results are checked equal to rounding.
 """
 
@@ -34,6 +34,9 @@ from sessionserve.model.loader import load_weights
 from sessionserve.model.layers import SiluGateUp
 from sessionserve.modelgen.make_model import ensure_model
 from sessionserve.model.packed_linear import pack_linears, packing_supported
+
+
+PADDED_ROWS = 4  # what packed_linear.MIN_GEMM_ROWS is on AVX-512 parts
 
 
 def model_linears(model_dir: Path, dtype: torch.dtype) -> tuple[list[tuple[nn.Module, int]], int]:
@@ -65,7 +68,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
-    padded_rows = packed_linear.MIN_GEMM_ROWS
+    padded_rows = PADDED_ROWS
     print(f"threads {args.threads}, median of {args.repeats}; padded = fewer than {padded_rows} rows run as "
           f"{padded_rows}\n")
     print("| dtype | weights MB | rows | as is ms | padded ms | as is / padded |")

@@ -17,13 +17,15 @@ pass of silu_and_mul over it disappear (M = 2048, 768 -> 2 x 3072, 2
 threads: 93-95 ms vs 105-108 in float32).
 
 A GEMM of fewer than `MIN_GEMM_ROWS` rows (a decode step of one to three
-sequences) gets zero rows appended up to that many: on one thread oneDNN's
-kernels for 1-3 rows read the weight slower than its 4-row one, and with so
-few rows reading the weight is the whole cost (bench/linear_rows.py, the
-small model's linears on one AVX-512 EPYC core, float32, M = 1/2/3/4:
-31-34/38-39/27/24 ms as is, 24-26 ms padded; bfloat16 17/20/15-16/14 ms as
-is, 15-19 ms padded).
-With two threads there is no such gap, and the padding costs nothing there.
+sequences) gets zero rows appended up to that many where that reads the
+weight faster: on AVX-512 parts oneDNN's kernels for 1-3 rows read it slower
+than its 4-row one, and with so few rows reading the weight is the whole
+cost (bench/linear_rows.py, the small model's linears on one AVX-512 EPYC
+core, float32, M = 1/2/3/4: 31-34/38-39/27/24 ms as is, 24-26 ms padded;
+bfloat16 17/20/15-16/14 ms as is, 15-19 ms padded). On an AVX2 EPYC the
+1-2 row kernels are the faster ones (float32, 2 threads: 19.6-20.5 ms as
+is, 23.7-24.1 padded; 1 thread: 28.9-30.3 vs 40.6-40.8), so there the
+minimum is one row.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from sessionserve.model.layers import SiluGateUp
 logger = logging.getLogger(__name__)
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-MIN_GEMM_ROWS = 4
+MIN_GEMM_ROWS = 4 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 1
 
 
 def _at_least_min_rows(x: torch.Tensor) -> torch.Tensor:
