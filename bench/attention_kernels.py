@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seqs", type=int, default=4, help="fresh prefill: sequences")
     p.add_argument("--len", type=int, default=512, help="fresh prefill: tokens per sequence")
+    p.add_argument("--layers", type=int, default=12, help="decode from memory: layers, each with its own caches")
+    p.add_argument("--decode-only", action="store_true", help="only the decode tables")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     H, Hkv, D, BS = a.heads, a.kv_heads, a.head_dim, a.block_size
@@ -63,26 +65,21 @@ def main() -> None:
     if not paged_kernel.available():  # loads (or builds) the C++ kernels
         raise SystemExit("no paged attention kernel on this machine/build")
 
-    n, L = a.seqs, a.len
-    q, k, v = (torch.randn(n * L, h, D, generator=g) for h in (H, Hkv, Hkv))
-    qs, ks, vs = (x.view(n, L, -1, D).transpose(1, 2) for x in (q, k, v))
-    sdpa = timed_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True),
-                    a.repeats)
-    gemm = timed_ms(lambda: [causal_attention(q[i * L:(i + 1) * L], ks[i], vs[i], scale) for i in range(n)],
-                    a.repeats)
-    print(f"float32 fresh prefill, {n} x {L} tokens, {H}/{Hkv} heads of {D}, {a.threads} threads")
-    print("| path | ms | vs SDPA |\n|---|---|---|")
-    print(f"| SDPA (fused, causal) | {sdpa:.2f} | 1.00x |\n| GEMMs | {gemm:.2f} | {sdpa / gemm:.2f}x |\n")
-
+    if not a.decode_only:
+        fresh_prefill_fp32(a.seqs, a.len, H, Hkv, D, g, a.threads, a.repeats)
     for dtype in (torch.float32, bf16):
         name = str(dtype).removeprefix("torch.")
-        print(f"{name} decode, scattered blocks, {H}/{Hkv} heads of {D}, block size {BS}, {a.threads} threads")
-        print("| sequences | context | paged kernel ms | KV read GB/s |\n|---|---|---|---|")
+        print(f"{name} decode, scattered blocks, {H}/{Hkv} heads of {D}, block size {BS}, {a.threads} threads; "
+              f"from memory: one call per layer of {a.layers}, each layer's caches its own")
+        print("| sequences | context | in cache ms | GB/s | from memory ms | GB/s |\n|---|---|---|---|---|---|")
         for seqs, ctx in ((1, 2000), (2, 2000), (8, 2000), (8, 4000), (32, 1000)):
-            ms = decode(seqs, ctx, H, Hkv, D, BS, dtype, g, a.repeats)
-            gb = seqs * ctx * Hkv * D * dtype.itemsize * 2 / ms / 1e6
-            print(f"| {seqs} | {ctx} | {ms:.3f} | {gb:.1f} |")
+            gb = seqs * ctx * Hkv * D * dtype.itemsize * 2 / 1e6
+            hot = decode(seqs, ctx, H, Hkv, D, BS, dtype, g, a.repeats)
+            cold = decode(seqs, ctx, H, Hkv, D, BS, dtype, g, a.repeats, layers=a.layers)
+            print(f"| {seqs} | {ctx} | {hot:.3f} | {gb / hot:.1f} | {cold:.3f} | {gb / cold:.1f} |")
         print()
+    if a.decode_only:
+        return
 
     print(f"float32 context chunks, one sequence, {H}/{Hkv} heads of {D}, block size {BS}, {a.threads} threads")
     print("| cached tokens | new rows | paged kernel ms | gather + GEMMs ms | paged / gather |\n|---|---|---|---|---|")
@@ -119,16 +116,35 @@ def main() -> None:
                   f"| {split / tile:.2f}x |")
 
 
+def fresh_prefill_fp32(n: int, L: int, H: int, Hkv: int, D: int, g: torch.Generator, threads: int,
+                       repeats: int) -> None:
+    """Print the float32 fresh prefill table: SDPA vs the engine's row-blocked GEMMs."""
+    scale = D ** -0.5
+    q, k, v = (torch.randn(n * L, h, D, generator=g) for h in (H, Hkv, Hkv))
+    qs, ks, vs = (x.view(n, L, -1, D).transpose(1, 2) for x in (q, k, v))
+    sdpa = timed_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True),
+                    repeats)
+    gemm = timed_ms(lambda: [causal_attention(q[i * L:(i + 1) * L], ks[i], vs[i], scale) for i in range(n)], repeats)
+    print(f"float32 fresh prefill, {n} x {L} tokens, {H}/{Hkv} heads of {D}, {threads} threads")
+    print("| path | ms | vs SDPA |\n|---|---|---|")
+    print(f"| SDPA (fused, causal) | {sdpa:.2f} | 1.00x |\n| GEMMs | {gemm:.2f} | {sdpa / gemm:.2f}x |\n")
+
+
 def decode(seqs: int, ctx: int, H: int, Hkv: int, D: int, BS: int, dtype: torch.dtype, g: torch.Generator,
-           repeats: int) -> float:
-    """ms of the paged kernel for one decode query per sequence over `ctx` cached tokens in scattered blocks."""
+           repeats: int, layers: int = 1) -> float:
+    """ms of the paged kernel for one decode query per sequence over `ctx` cached tokens in scattered blocks.
+
+    With `layers` > 1, one call per layer, each over its own caches (as a model's decode step reads them: the
+    KV of a layer is no longer in cache when the next step comes back to it); the time is per call."""
     nb = -(-ctx // BS)
-    k_cache = torch.randn(seqs * nb + 4, Hkv, BS, D, generator=g).to(dtype)
-    v_cache = torch.randn(seqs * nb + 4, Hkv, BS, D, generator=g).to(dtype)
-    tables = torch.randperm(seqs * nb + 4, generator=g)[:seqs * nb].view(seqs, nb).to(torch.int32)
+    pool = 2 * seqs * nb + 4  # the sequences' blocks scattered over twice their number
+    caches = [(torch.randn(pool, Hkv, BS, D, generator=g).to(dtype), torch.randn(pool, Hkv, BS, D, generator=g).to(dtype))
+              for _ in range(layers)]
+    tables = torch.randperm(pool, generator=g)[:seqs * nb].view(seqs, nb).to(torch.int32)
     q = torch.randn(seqs, H, D, generator=g).to(dtype)
     seq, pos = torch.arange(seqs, dtype=torch.int32), torch.full((seqs,), ctx - 1, dtype=torch.int32)
-    return timed_ms(lambda: paged_kernel.paged_attention(q, k_cache, v_cache, tables, seq, pos, D ** -0.5), repeats)
+    return timed_ms(lambda: [paged_kernel.paged_attention(q, k, v, tables, seq, pos, D ** -0.5) for k, v in caches],
+                    repeats) / layers
 
 
 def context_chunk_fp32(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g: torch.Generator,

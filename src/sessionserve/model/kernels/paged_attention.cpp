@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace {
 
@@ -21,6 +22,7 @@ typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
 typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t vi8 __attribute__((vector_size(8 * sizeof(int32_t))));
 
 inline vf splat(float x) { return vf{} + x; }
 inline vf loadu(const float* p) { vf v; std::memcpy(&v, p, sizeof(v)); return v; }
@@ -48,43 +50,86 @@ inline float hsum(vf v) {
   return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 // exp for x <= 0 (scores minus their running max): Cody-Waite reduction, degree-6 polynomial,
-// relative error ~2 ulp; inputs below -87 flush to exp(-87) ~ 1.6e-38.
-inline vf vexp(vf x) {
-  x = x < splat(-87.f) ? splat(-87.f) : x;
-  const vf t = x * 1.44269504088896341f;
-  const vi n = __builtin_convertvector(t - 0.5f, vi);  // round to nearest for t <= 0
-  const vf nf = __builtin_convertvector(n, vf);
-  const vf r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
+// relative error ~2 ulp; inputs below -87 flush to exp(-87) ~ 1.6e-38. V: a float vector type, VI: the
+// int32 vector of its width.
+template <typename V, typename VI>
+inline V vexp_n(V x) {
+  const V lo = V{} - 87.f;
+  x = x < lo ? lo : x;
+  const V t = x * 1.44269504088896341f;
+  const VI n = __builtin_convertvector(t - 0.5f, VI);  // round to nearest for t <= 0
+  const V nf = __builtin_convertvector(n, V);
+  const V r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const vi e = (n + 127) << 23;
-  vf scale;
+  const VI e = (n + 127) << 23;
+  V scale;
   std::memcpy(&scale, &e, sizeof(scale));
   return p * scale;
 }
+inline vf vexp(vf x) { return vexp_n<vf, vi>(x); }
 
-// Bring n elements of keys and values into cache ahead of use.
+// Bring n elements from p on into cache ahead of use.
 template <typename T>
-inline void prefetch_kv(const T* k, const T* v, int64_t n) {
-  const char* kb = reinterpret_cast<const char*>(k);
-  const char* vb = reinterpret_cast<const char*>(v);
-  for (int64_t byte = 0; byte < n * static_cast<int64_t>(sizeof(T)); byte += 64) {
-    __builtin_prefetch(kb + byte);
-    __builtin_prefetch(vb + byte);
+inline void prefetch_span(const T* p, int64_t n) {
+  const char* b = reinterpret_cast<const char*>(p);
+  for (int64_t byte = 0; byte < n * static_cast<int64_t>(sizeof(T)); byte += 64) __builtin_prefetch(b + byte);
+}
+
+// The online softmax of a block, on vectors V of L floats (VI: their int32 twin): s[g][0, n) become
+// exp(s - m_new), the running sum l and max m of each head are updated and its output acc rescaled.
+template <typename V, typename VI>
+inline void online_softmax(float (*s)[kMaxBlock], int64_t n, int64_t G, int64_t D, float* m, float* l,
+                           float (*acc)[kMaxHeadDim]) {
+  constexpr int64_t L = sizeof(V) / sizeof(float);
+  const int64_t chunks = (n + L - 1) / L;
+  V x;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t j = n; j < chunks * L; ++j) s[g][j] = -std::numeric_limits<float>::infinity();
+    V mx;
+    std::memcpy(&mx, s[g], sizeof(mx));
+    for (int64_t c = 1; c < chunks; ++c) {
+      std::memcpy(&x, s[g] + c * L, sizeof(x));
+      mx = mx > x ? mx : x;
+    }
+    float bmax = mx[0];
+    for (int i = 1; i < L; ++i) bmax = std::max(bmax, mx[i]);
+    const float new_m = std::max(m[g], bmax);
+    const float corr = std::exp(m[g] - new_m);
+    V sum = V{};
+    for (int64_t c = 0; c < chunks; ++c) {
+      std::memcpy(&x, s[g] + c * L, sizeof(x));
+      const V e = vexp_n<V, VI>(x - new_m);
+      std::memcpy(s[g] + c * L, &e, sizeof(e));
+      sum += e;
+    }
+    // lanes past n hold exp(-87) ~ 1e-38 each: far below float resolution of l
+    float total = 0.f;
+    for (int i = 0; i < L; ++i) total += sum[i];
+    l[g] = l[g] * corr + total;
+    m[g] = new_m;
+    if (corr != 1.f) {
+      for (int64_t d = 0; d < D; d += L) {
+        std::memcpy(&x, acc[g] + d, sizeof(x));
+        x *= corr;
+        std::memcpy(acc[g] + d, &x, sizeof(x));
+      }
+    }
   }
 }
 
-// One block's steps on 16-float vectors, for any dtype and group size: scores s[g][j] = q[g] . k[j], and
-// acc[g] += s[g][j] * v[j] (the sums of a group kept in memory).
+// One block's steps on 16-float vectors, for any dtype and group size: scores s[g][j] = q[g] . k[j], their
+// online softmax, and acc[g] += s[g][j] * v[j] (the sums of a group kept in memory).
 struct VecBlockSteps {
   template <typename scalar_t>
   void scores(const float (*qf)[kMaxHeadDim], const scalar_t* kb, int64_t n, int64_t G, int64_t C, int64_t D,
-              float (*s)[kMaxBlock]) const {
+              float (*s)[kMaxBlock], const scalar_t* next) const {
+    if (next != nullptr) prefetch_span(next, n * D);
     for (int64_t j = 0; j < n; ++j) {
       const scalar_t* kj = kb + j * D;
       if (G == 1) {  // one query head: reuse nothing, keep the loads in flight
@@ -102,9 +147,14 @@ struct VecBlockSteps {
       for (int64_t g = 0; g < G; ++g) s[g][j] = hsum(a[g]);
     }
   }
+  void softmax(float (*s)[kMaxBlock], int64_t n, int64_t G, int64_t D, float* m, float* l,
+               float (*acc)[kMaxHeadDim]) const {
+    online_softmax<vf, vi>(s, n, G, D, m, l, acc);
+  }
   template <typename scalar_t>
   void values(float (*acc)[kMaxHeadDim], const float (*s)[kMaxBlock], const scalar_t* vb, int64_t n, int64_t G,
-              int64_t C, int64_t D) const {
+              int64_t C, int64_t D, const scalar_t* next) const {
+    if (next != nullptr) prefetch_span(next, n * D);
     for (int64_t j = 0; j < n; ++j) {
       const scalar_t* vj = vb + j * D;
       for (int64_t c = 0; c < C; ++c) {
@@ -153,40 +203,15 @@ void paged_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const a
       }
       for (int64_t b = 0; b * BS < ctx; ++b) {
         const int64_t n = std::min<int64_t>(BS, ctx - b * BS);
-        const int64_t chunks = (n + W - 1) / W;
         const int64_t off = ((static_cast<int64_t>(table[b]) * Hkv + kh) * BS) * D;
         const scalar_t* kb = kp + off;
         const scalar_t* vb = vp + off;
-        if ((b + 1) * BS < ctx) {  // blocks are scattered: fetch the next one while this one computes
-          const int64_t next = ((static_cast<int64_t>(table[b + 1]) * Hkv + kh) * BS) * D;
-          prefetch_kv(kp + next, vp + next, BS * D);
-        }
-        step.scores(qf, kb, n, G, C, D, s);
-        for (int64_t g = 0; g < G; ++g) {
-          for (int64_t j = n; j < chunks * W; ++j) s[g][j] = -std::numeric_limits<float>::infinity();
-          vf mx = loadu(s[g]);
-          for (int64_t c = 1; c < chunks; ++c) {
-            const vf x = loadu(s[g] + c * W);
-            mx = mx > x ? mx : x;
-          }
-          float bmax = mx[0];
-          for (int i = 1; i < W; ++i) bmax = std::max(bmax, mx[i]);
-          const float new_m = std::max(m[g], bmax);
-          const float corr = std::exp(m[g] - new_m);
-          vf sum = vf{};
-          for (int64_t c = 0; c < chunks; ++c) {
-            const vf e = vexp(loadu(s[g] + c * W) - new_m);
-            storeu(s[g] + c * W, e);
-            sum += e;
-          }
-          // lanes past n hold exp(-87) ~ 1e-38 each: far below float resolution of l
-          l[g] = l[g] * corr + hsum(sum);
-          m[g] = new_m;
-          if (corr != 1.f) {
-            for (int64_t c = 0; c < C; ++c) storeu(acc[g] + c * W, loadu(acc[g] + c * W) * corr);
-          }
-        }
-        step.values(acc, s, vb, n, G, C, D);
+        // blocks are scattered: each step fetches its rows of the next block while it computes this one's
+        const bool more = (b + 1) * BS < ctx;
+        const int64_t next = more ? ((static_cast<int64_t>(table[b + 1]) * Hkv + kh) * BS) * D : 0;
+        step.scores(qf, kb, n, G, C, D, s, more ? kp + next : nullptr);
+        step.softmax(s, n, G, D, m, l, acc);
+        step.values(acc, s, vb, n, G, C, D, more ? vp + next : nullptr);
       }
       for (int64_t g = 0; g < G; ++g) {
         scalar_t* o = op + (t * H + kh * G + g) * D;
@@ -260,7 +285,8 @@ void paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const 
         const uint16_t* vb = vp + off;
         if ((b + 1) * BS < ctx) {  // blocks are scattered: fetch the next one while this one computes
           const int64_t next = ((static_cast<int64_t>(table[b + 1]) * Hkv + kh) * BS) * D;
-          prefetch_kv(kp + next, vp + next, BS * D);
+          prefetch_span(kp + next, BS * D);
+          prefetch_span(vp + next, BS * D);
         }
         const int64_t chunks = (n + 15) / 16;
         for (int64_t jc = 0; jc < chunks; ++jc) {
@@ -368,77 +394,122 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-// Scores of one block's n keys for NG query heads sharing a KV head: s[g][j] = q[g] . k[j]. NG is a
-// compile-time count, so the NG running sums are registers and each key row is read once for all NG.
-template <int NG, typename scalar_t>
-inline void scores_avx2(const float (*qf)[kMaxHeadDim], const scalar_t* kb, int64_t n, int64_t D, float (*s)[kMaxBlock]) {
-  for (int64_t j = 0; j < n; ++j) {
-    const scalar_t* kj = kb + j * D;
-    __m256 a[NG], b[NG];  // two sums per head: halves the FMA chain
-    for (int g = 0; g < NG; ++g) a[g] = b[g] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m256 k0 = load8(kj + d), k1 = load8(kj + d + 8);
-      for (int g = 0; g < NG; ++g) {
-        a[g] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + d), k0, a[g]);
-        b[g] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + d + 8), k1, b[g]);
-      }
-    }
-    for (int g = 0; g < NG; ++g) s[g][j] = hsum8(_mm256_add_ps(a[g], b[g]));
+// Lane i of the result = the sum of v[i]'s 8 lanes, for KJ = 4 vectors (lanes 0-3) or 2 (lanes 0-1):
+// horizontal adds over all of them at once, 5 instructions where one sum at a time takes 6 each.
+template <int KJ>
+inline __m128 reduce8(const __m256* v) {
+  if constexpr (KJ == 4) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  } else {
+    const __m256 t = _mm256_hadd_ps(v[0], v[1]);
+    const __m128 x = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    return _mm_hadd_ps(x, x);
   }
 }
 
-// acc[g] += sum_j p[g][j] * v[j] for NG heads, 16 dimensions at a time: the 2 x NG slices are registers
-// over the block's keys, loaded and stored once per block.
+// Scores of one block's n keys for NG query heads sharing a KV head: s[g][j] = q[g] . k[j]. NG is a
+// compile-time count; KJ keys at a time, so the NG x KJ running sums are registers, each key row is read
+// once for all NG, and the KJ sums of a head are reduced together.
 template <int NG, typename scalar_t>
-inline void values_avx2(float (*acc)[kMaxHeadDim], const float (*p)[kMaxBlock], const scalar_t* vb, int64_t n,
-                        int64_t D) {
-  for (int64_t d = 0; d < D; d += 16) {
-    __m256 r0[NG], r1[NG];
-    for (int g = 0; g < NG; ++g) {
-      r0[g] = _mm256_load_ps(acc[g] + d);
-      r1[g] = _mm256_load_ps(acc[g] + d + 8);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = load8(vb + j * D + d), v1 = load8(vb + j * D + d + 8);
-      for (int g = 0; g < NG; ++g) {
-        const __m256 w = _mm256_broadcast_ss(p[g] + j);
-        r0[g] = _mm256_fmadd_ps(w, v0, r0[g]);
-        r1[g] = _mm256_fmadd_ps(w, v1, r1[g]);
+inline void scores_avx2(const float (*qf)[kMaxHeadDim], const scalar_t* kb, int64_t n, int64_t D, float (*s)[kMaxBlock],
+                        const scalar_t* next) {
+  constexpr int KJ = NG <= 3 ? 4 : 2;
+  int64_t j = 0;
+  for (; j + KJ <= n; j += KJ) {
+    if (next != nullptr) prefetch_span(next + j * D, KJ * D);
+    __m256 a[NG][KJ];
+    for (int g = 0; g < NG; ++g)
+      for (int jj = 0; jj < KJ; ++jj) a[g][jj] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      for (int jj = 0; jj < KJ; ++jj) {
+        const __m256 k = load8(kb + (j + jj) * D + d);
+        for (int g = 0; g < NG; ++g) a[g][jj] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + d), k, a[g][jj]);
       }
     }
     for (int g = 0; g < NG; ++g) {
-      _mm256_store_ps(acc[g] + d, r0[g]);
-      _mm256_store_ps(acc[g] + d + 8, r1[g]);
+      const __m128 r = reduce8<KJ>(a[g]);
+      if constexpr (KJ == 4) _mm_storeu_ps(s[g] + j, r);
+      else _mm_storel_pi(reinterpret_cast<__m64*>(s[g] + j), r);
+    }
+  }
+  for (; j < n; ++j) {
+    if (next != nullptr) prefetch_span(next + j * D, D);
+    __m256 a[NG];
+    for (int g = 0; g < NG; ++g) a[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 k = load8(kb + j * D + d);
+      for (int g = 0; g < NG; ++g) a[g] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + d), k, a[g]);
+    }
+    for (int g = 0; g < NG; ++g) s[g][j] = hsum8(a[g]);
+  }
+}
+
+// acc[g][d, d + 8 NV) += sum_j p[g][j] * v[j][d, d + 8 NV) for NG heads: the NG x NV slices are registers
+// over the block's keys, loaded and stored once per block.
+template <int NG, int NV, typename scalar_t>
+inline void values_slice(float (*acc)[kMaxHeadDim], const float (*p)[kMaxBlock], const scalar_t* vb, int64_t n,
+                         int64_t D, int64_t d, const scalar_t* next) {
+  __m256 r[NG][NV];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < NV; ++c) r[g][c] = _mm256_load_ps(acc[g] + d + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    if (next != nullptr) prefetch_span(next + j * D, D);
+    const scalar_t* vj = vb + j * D + d;
+    for (int g = 0; g < NG; ++g) {
+      const __m256 w = _mm256_broadcast_ss(p[g] + j);
+      for (int c = 0; c < NV; ++c) r[g][c] = _mm256_fmadd_ps(w, load8(vj + 8 * c), r[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < NV; ++c) _mm256_store_ps(acc[g] + d + 8 * c, r[g][c]);
+}
+
+// acc[g] += sum_j p[g][j] * v[j] for NG heads, 32 dimensions at a time for up to 3 heads (16 for 4); the
+// first slice's pass over the keys fetches the rows of `next` (or nullptr).
+template <int NG, typename scalar_t>
+inline void values_avx2(float (*acc)[kMaxHeadDim], const float (*p)[kMaxBlock], const scalar_t* vb, int64_t n,
+                        int64_t D, const scalar_t* next) {
+  constexpr int NV = NG <= 3 ? 4 : 2;
+  int64_t d = 0;
+  for (; d + 8 * NV <= D; d += 8 * NV, next = nullptr) values_slice<NG, NV>(acc, p, vb, n, D, d, next);
+  for (; d < D; d += 16, next = nullptr) values_slice<NG, 2>(acc, p, vb, n, D, d, next);  // D % 16 == 0
+}
+
+// f(std::integral_constant<int, NG>{}, g0) for the G heads of a KV head in groups [g0, g0 + NG) of up to 4.
+template <typename F>
+inline void by_head_groups(int64_t G, F&& f) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: f(std::integral_constant<int, 1>{}, g0); break;
+      case 2: f(std::integral_constant<int, 2>{}, g0); break;
+      case 3: f(std::integral_constant<int, 3>{}, g0); break;
+      default: f(std::integral_constant<int, 4>{}, g0); break;
     }
   }
 }
 
 // The block steps for float32 and bfloat16 on AVX2 (D % 16 == 0): the G heads of a KV head in groups of up
-// to 4 whose sums stay in registers over the block (the vector steps keep them in memory).
+// to 4 whose sums stay in registers over the block (the vector steps keep them in memory), and the
+// softmax on 8-float registers.
 struct Avx2BlockSteps {
   template <typename scalar_t>
   void scores(const float (*qf)[kMaxHeadDim], const scalar_t* kb, int64_t n, int64_t G, int64_t, int64_t D,
-              float (*s)[kMaxBlock]) const {
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      switch (std::min<int64_t>(4, G - g0)) {
-        case 1: scores_avx2<1>(qf + g0, kb, n, D, s + g0); break;
-        case 2: scores_avx2<2>(qf + g0, kb, n, D, s + g0); break;
-        case 3: scores_avx2<3>(qf + g0, kb, n, D, s + g0); break;
-        default: scores_avx2<4>(qf + g0, kb, n, D, s + g0); break;
-      }
-    }
+              float (*s)[kMaxBlock], const scalar_t* next) const {
+    by_head_groups(G, [&](auto ng, int64_t g0) {
+      scores_avx2<decltype(ng)::value>(qf + g0, kb, n, D, s + g0, g0 == 0 ? next : nullptr);
+    });
+  }
+  void softmax(float (*s)[kMaxBlock], int64_t n, int64_t G, int64_t D, float* m, float* l,
+               float (*acc)[kMaxHeadDim]) const {
+    online_softmax<vf8, vi8>(s, n, G, D, m, l, acc);
   }
   template <typename scalar_t>
   void values(float (*acc)[kMaxHeadDim], const float (*s)[kMaxBlock], const scalar_t* vb, int64_t n, int64_t G,
-              int64_t, int64_t D) const {
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      switch (std::min<int64_t>(4, G - g0)) {
-        case 1: values_avx2<1>(acc + g0, s + g0, vb, n, D); break;
-        case 2: values_avx2<2>(acc + g0, s + g0, vb, n, D); break;
-        case 3: values_avx2<3>(acc + g0, s + g0, vb, n, D); break;
-        default: values_avx2<4>(acc + g0, s + g0, vb, n, D); break;
-      }
-    }
+              int64_t, int64_t D, const scalar_t* next) const {
+    by_head_groups(G, [&](auto ng, int64_t g0) {
+      values_avx2<decltype(ng)::value>(acc + g0, s + g0, vb, n, D, g0 == 0 ? next : nullptr);
+    });
   }
 };
 #endif  // AVX2 + FMA
