@@ -125,7 +125,7 @@ def _size(num_bytes: int) -> str:
 
 
 def startup_banner(engines: dict, aliases: dict[str, str], url: str, args: argparse.Namespace,
-                   notes: list[str] = ()) -> str:
+                   notes: tuple[str, ...] | list[str] = ()) -> str:
     """What a newcomer needs on start: where the server is, what it serves with how much KV per tier, and
     how to point the agents and SDKs at it."""
     lines = [f"sessionserve is serving on {url}"]
