@@ -167,11 +167,11 @@ struct VecBlockSteps {
 
 // q: (T, H, D); caches: (NB, Hkv, BS, D); block_tables: (S, MB) int32;
 // seq_idx, pos: (T,) int32. Query t attends to keys [0, pos[t]] of sequence seq_idx[t].
-// Inputs may be float32, bfloat16 or float16; all arithmetic is in float32, 16 lanes at a
-// time (D % 16 == 0). Scores of one block for each query head are computed, exponentiated and
-// summed as vectors (online softmax); the running output of the G heads sharing a KV head
-// stays in one buffer. `step` computes a block's scores and adds its values (VecBlockSteps, or
-// Avx2BlockSteps on AVX2).
+// Inputs may be float32, bfloat16 or float16; all arithmetic is in float32 (D % 16 == 0). Scores of
+// one block for each query head are computed, exponentiated and summed as vectors (online softmax);
+// the running output of the G heads sharing a KV head stays in one buffer. `step` computes a block's
+// scores, their softmax, and adds its values (VecBlockSteps, or Avx2BlockSteps on AVX2), fetching the
+// next block's rows as it goes.
 template <typename scalar_t, typename Steps = VecBlockSteps>
 void paged_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const int32_t* bt, const int32_t* si, const int32_t* ps, int64_t MB,
