@@ -1,6 +1,6 @@
-"""The CPU attention kernels alone: bf16 prefill tiles vs SDPA and vs the paged kernel on context chunks; fp32
-fresh prefills through SDPA vs our GEMMs; float32 and bfloat16 decode through the paged kernel; and fp32
-context chunks through the paged kernel vs a gather of the context and our GEMMs.
+"""The CPU attention kernels alone: bf16 prefill tiles vs SDPA and vs the paged kernel on context chunks; float32
+and bfloat16 decode through the paged kernel; and fp32 context chunks through the paged kernel vs the split
+flash attention vs a gather of the context and SDPA under a mask.
 
     .venv/bin/python bench/attention_kernels.py [--threads 2] [--repeats 5]
 
@@ -13,11 +13,10 @@ from. Both bf16 tables also time PyTorch's CPU flash attention, which is what
 the engine takes instead of the tiles on CPUs with AMX: for fresh prefills it
 is the fused SDPA row, for context chunks `attention.split_attention` (one call
 over the cached prefix, one causal call over the chunk, merged by log-sum-exp;
-from `attention.SPLIT_MIN_ROWS` rows). In float32 (no tiles): the fresh
-prefills through SDPA (stacked, as one call) and through the engine's
-row-blocked GEMMs (`attention.causal_attention`), and the context chunks
-through the paged kernel and through the engine's gather + GEMM path:
-`attention.GEMM_GATHER_MIN_ROWS`.
+from `attention.SPLIT_MIN_ROWS` rows). In float32 (no tiles, flash
+attention everywhere the op exists): the context chunks through the paged
+kernel, the split flash calls and the gather + masked SDPA path (what runs
+where there is no flash op): where `attention.SPLIT_MIN_ROWS` comes from.
 The bf16 tables need the AVX512-BF16 kernel; the fp32 one runs anywhere.
 Random inputs, median of `--repeats` timed calls after one warm-up.
 """
@@ -37,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.timing import timed_ms
 from sessionserve.model import paged_kernel, tile_attention
-from sessionserve.model.attention import causal_attention, context_attention, split_attention, uses_amx_attention
+from sessionserve.model.attention import context_attention, split_attention, uses_flash_attention
 
 
 def ints(values: list[int]) -> torch.Tensor:
@@ -65,8 +64,6 @@ def main() -> None:
     if not paged_kernel.available():  # loads (or builds) the C++ kernels
         raise SystemExit("no paged attention kernel on this machine/build")
 
-    if not a.decode_only:
-        fresh_prefill_fp32(a.seqs, a.len, H, Hkv, D, g, a.threads, a.repeats)
     for dtype in (torch.float32, bf16):
         name = str(dtype).removeprefix("torch.")
         print(f"{name} decode, scattered blocks, {H}/{Hkv} heads of {D}, block size {BS}, {a.threads} threads; "
@@ -82,15 +79,17 @@ def main() -> None:
         return
 
     print(f"float32 context chunks, one sequence, {H}/{Hkv} heads of {D}, block size {BS}, {a.threads} threads")
-    print("| cached tokens | new rows | paged kernel ms | gather + GEMMs ms | paged / gather |\n|---|---|---|---|---|")
+    print("| cached tokens | new rows | paged kernel ms | split flash ms | gather + masked SDPA ms | paged / split |"
+          "\n|---|---|---|---|---|---|")
     for ctx in (256, 1024, 4096):
         for rows in (8, 16, 32, 64, 256):
-            paged, gather = context_chunk_fp32(ctx, rows, H, Hkv, D, BS, g, a.repeats)
-            print(f"| {ctx} | {rows} | {paged:.2f} | {gather:.2f} | {paged / gather:.2f}x |")
+            paged, split, gather = context_chunk_fp32(ctx, rows, H, Hkv, D, BS, g, a.repeats)
+            print(f"| {ctx} | {rows} | {paged:.2f} | {split:.2f} | {gather:.2f} | {paged / split:.2f}x |")
     print()
     if not tile_attention.available():
         raise SystemExit("no AVX512-BF16 tile kernel on this machine/build: bf16 tables skipped")
 
+    n, L = a.seqs, a.len
     q = torch.randn(n * L, H, D, generator=g).to(bf16)
     k = torch.randn(n * L, Hkv, D, generator=g).to(bf16)
     v = torch.randn(n * L, Hkv, D, generator=g).to(bf16)
@@ -100,7 +99,7 @@ def main() -> None:
     tiles = timed_ms(lambda: tile_attention.tile_attention_(out, q, k, v, starts, lens, zeros, None, scale), a.repeats)
     sdpa = timed_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True),
                     a.repeats)
-    amx = "AMX: the engine takes flash attention" if uses_amx_attention(torch.device("cpu"), bf16) else "no AMX"
+    amx = "AMX: the engine takes flash attention" if uses_flash_attention(torch.device("cpu"), bf16) else "no AMX"
     print(f"fresh prefill, {n} x {L} tokens, {H}/{Hkv} heads of {D}, {a.threads} threads ({amx})")
     print("| kernel | ms | vs SDPA |\n|---|---|---|")
     print(f"| SDPA (fused, causal: CPU flash attention) | {sdpa:.2f} | 1.00x |\n"
@@ -114,20 +113,6 @@ def main() -> None:
             paged, tile, split = context_chunk(ctx, rows, H, Hkv, D, BS, g, a.repeats)
             print(f"| {ctx} | {rows} | {paged:.2f} | {tile:.2f} | {split:.2f} | {paged / tile:.2f}x "
                   f"| {split / tile:.2f}x |")
-
-
-def fresh_prefill_fp32(n: int, L: int, H: int, Hkv: int, D: int, g: torch.Generator, threads: int,
-                       repeats: int) -> None:
-    """Print the float32 fresh prefill table: SDPA vs the engine's row-blocked GEMMs."""
-    scale = D ** -0.5
-    q, k, v = (torch.randn(n * L, h, D, generator=g) for h in (H, Hkv, Hkv))
-    qs, ks, vs = (x.view(n, L, -1, D).transpose(1, 2) for x in (q, k, v))
-    sdpa = timed_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True),
-                    repeats)
-    gemm = timed_ms(lambda: [causal_attention(q[i * L:(i + 1) * L], ks[i], vs[i], scale) for i in range(n)], repeats)
-    print(f"float32 fresh prefill, {n} x {L} tokens, {H}/{Hkv} heads of {D}, {threads} threads")
-    print("| path | ms | vs SDPA |\n|---|---|---|")
-    print(f"| SDPA (fused, causal) | {sdpa:.2f} | 1.00x |\n| GEMMs | {gemm:.2f} | {sdpa / gemm:.2f}x |\n")
 
 
 def decode(seqs: int, ctx: int, H: int, Hkv: int, D: int, BS: int, dtype: torch.dtype, g: torch.Generator,
@@ -148,8 +133,9 @@ def decode(seqs: int, ctx: int, H: int, Hkv: int, D: int, BS: int, dtype: torch.
 
 
 def context_chunk_fp32(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g: torch.Generator,
-                       repeats: int) -> tuple[float, float]:
-    """ms of the paged kernel and of gather + GEMMs for `rows` new fp32 tokens over `ctx` cached ones."""
+                       repeats: int) -> tuple[float, float, float]:
+    """ms of the paged kernel, the split flash calls and gather + masked SDPA for `rows` new fp32 tokens over
+    `ctx` cached ones."""
     scale, total = D ** -0.5, ctx + rows
     nb = -(-total // BS)
     k_cache = torch.randn(nb + 4, Hkv, BS, D, generator=g)
@@ -159,8 +145,11 @@ def context_chunk_fp32(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g
     seq, pos = torch.zeros(rows, dtype=torch.int32), torch.arange(ctx, total, dtype=torch.int32)
     paged = timed_ms(lambda: paged_kernel.paged_attention(q, k_cache, v_cache, table, seq, pos, scale), repeats)
     blocks = table[0].long()
+    own_k, own_v = (torch.randn(rows, Hkv, D, generator=g) for _ in range(2))
+    prefix = blocks[:-(-ctx // BS)]
+    split = timed_ms(lambda: split_attention(q, own_k, own_v, k_cache, v_cache, prefix, ctx, scale), repeats)
     gather = timed_ms(lambda: context_attention(q, k_cache, v_cache, blocks, total, scale), repeats)
-    return paged, gather
+    return paged, split, gather
 
 
 def context_chunk(ctx: int, rows: int, H: int, Hkv: int, D: int, BS: int, g: torch.Generator,

@@ -32,7 +32,7 @@ def step_logits(runner, kv: KVCacheManager, chunks: list[tuple], *, tiles: bool,
     plan = SchedulerOutput(tuple(ScheduledChunk(s, st, n, st + n == s.num_tokens) for s, st, n in chunks),
                            sum(n for _, _, n in chunks), (), kv.block_tables)
     runner.use_tiles = tiles
-    runner.amx_attention = flash
+    runner.flash_attention = flash
     input_ids, positions, meta, _, _ = runner.prepare_batch(plan)
     meta.sampled = None  # every row's logits: the last layer runs on all of them
     with torch.inference_mode():

@@ -1,7 +1,7 @@
-"""Prefill attention as PyTorch's CPU flash attention (the path for bf16 on CPUs with AMX).
+"""Prefill attention as PyTorch's CPU flash attention (the path for float32 on CPUs, and bf16 on CPUs with AMX).
 
 `split_attention` runs wherever the flash op exists, so these tests force the
-path on any CPU; only the choice of it (`uses_amx_attention`) needs AMX.
+path on any CPU; choosing it for bf16 (`uses_flash_attention`) depends on AMX and the tile kernel.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import CacheConfig, ModelConfig
-from sessionserve.model.attention import split_attention, uses_amx_attention
+from sessionserve.model.attention import split_attention, uses_flash_attention
 from tests.engine.prefill_helpers import causal_reference, gather, step_logits
 from tests.unit.core.utils import create_seq
 
@@ -43,10 +43,13 @@ def test_split_attention_matches_one_masked_softmax(dtype: torch.dtype, heads: i
     torch.testing.assert_close(out.float(), causal_reference(q, keys, values, start, scale), atol=ATOL[dtype], rtol=0)
 
 
-def test_amx_choice_follows_the_cpu() -> None:
+def test_flash_choice_follows_the_dtype_and_cpu() -> None:
     cpu = torch.device("cpu")
-    assert not uses_amx_attention(cpu, torch.float32)
-    assert uses_amx_attention(cpu, torch.bfloat16) == bool(torch.cpu._is_amx_tile_supported())
+    amx = bool(torch.cpu._is_amx_tile_supported())
+    assert uses_flash_attention(cpu, torch.float32, tiles=False)
+    assert uses_flash_attention(cpu, torch.bfloat16, tiles=True) == amx  # the tiles win without AMX
+    assert uses_flash_attention(cpu, torch.bfloat16, tiles=False)
+    assert not uses_flash_attention(torch.device("meta"), torch.float32, tiles=False)
 
 
 def test_engine_prefill_with_flash_is_as_close_to_float32_as_without(tiny_models: dict[str, Path]) -> None:

@@ -118,9 +118,12 @@ def test_prefix_cache_hit_matches_hf(pair, use_kernel: bool) -> None:
     assert kv.block_tables[b.request_id][:2] == kv.block_tables[a.request_id][:2]
 
 
-def test_long_context_chunk_matches_hf(pair) -> None:
-    """An agent's next turn: many new rows over a cached context (the gather path where the kernel runs)."""
+@pytest.mark.parametrize("flash", [True, False])
+def test_long_context_chunk_matches_hf(pair, monkeypatch, flash: bool) -> None:
+    """An agent's next turn: many new rows over a cached context (split flash attention, or the gather path
+    where the paged kernel runs)."""
     hf, runner = pair
+    monkeypatch.setattr(runner, "flash_attention", flash and runner.flash_attention)
     kv = KVCacheManager(runner.num_blocks, BLOCK)
     full = tokens(50 + runner.gather_min_rows + 8, 8)
     seq, other = create_seq(0, tokens=full), create_seq(0, tokens=tokens(20, 9))
@@ -132,7 +135,8 @@ def test_long_context_chunk_matches_hf(pair) -> None:
     plan = SchedulerOutput(tuple(ScheduledChunk(s, st, n, st + n == s.num_tokens) for s, st, n in chunks),
                            sum(n for _, _, n in chunks), (), kv.block_tables)
     _, _, meta, _, _ = runner.prepare_batch(plan)
-    assert bool(meta.ctx_gather) == (runner.use_kernel and not runner.use_tiles)
+    assert bool(meta.ctx_split) == runner.flash_attention
+    assert bool(meta.ctx_gather) == (runner.use_kernel and not runner.use_tiles and not runner.flash_attention)
     out = run_chunks(runner, kv, chunks, use_kernel=True)
     assert (out[0] - hf_logits(hf, other.token_ids)[-1]).abs().max().item() <= ATOL
     assert (out[1:] - hf_logits(hf, full)[50:]).abs().max().item() <= ATOL

@@ -7,23 +7,20 @@ into (H, T, D) for SDPA.
 
 A step's tokens are flattened: sequence i owns rows [cu_q[i], cu_q[i+1]).
 Paths, chosen per sequence:
-  - bfloat16 on a CPU with AMX (`uses_amx_attention`): PyTorch's flash
-    attention, whose tile GEMMs outrun our AVX512-BF16 kernel there; fresh
-    prefills causal on their own rows, context prefills of at least
-    SPLIT_MIN_ROWS rows in two calls (the cached prefix unmasked, the chunk
-    causal on itself) merged by their log-sum-exp;
-  - bfloat16 on a CPU with AVX512-BF16 (`tile_attention.py`): every fresh
-    prefill, and every context prefill of at least TILE_MIN_ROWS tokens, in
-    one call of the query-tile kernel, which reads keys from the chunk's own
-    rows or through the block table;
-  - otherwise, fresh prefill (no cached context): causal attention on the
-    chunk's own K/V; float32 on CPU our GEMMs in row blocks that skip the
-    masked keys, else SDPA with equal-length chunks stacked into one call;
-  - context prefill (chunks after a prefix-cache hit or an earlier chunk,
-    an agent's every next turn) of at least `gather_min_rows` tokens without
-    tiles: a gather of the sequence's context, then attention under an
-    offset causal mask (on CPU in float32 our GEMMs, the query heads of a
-    KV head as rows of one GEMM; otherwise SDPA);
+  - on a CPU in float32, and in bfloat16 with AMX or without the tile kernel
+    (`uses_flash_attention`): PyTorch's CPU flash attention; fresh prefills causal on their own rows
+    (SDPA, equal-length chunks stacked into one call), context prefills of at
+    least SPLIT_MIN_ROWS rows in two calls (the cached prefix unmasked, the
+    chunk causal on itself) merged by their log-sum-exp;
+  - bfloat16 on a CPU with AVX512-BF16 and no AMX (`tile_attention.py`):
+    every fresh prefill, and every context prefill of at least TILE_MIN_ROWS
+    tokens, in one call of the query-tile kernel, which reads keys from the
+    chunk's own rows or through the block table;
+  - otherwise, fresh prefill (no cached context): SDPA, causal, with
+    equal-length chunks stacked into one call; context prefill (chunks after
+    a prefix-cache hit or an earlier chunk, an agent's every next turn) of at
+    least `gather_min_rows` tokens: a gather of the sequence's context, then
+    SDPA under an offset causal mask;
   - decode and short context chunks (speculative verification): the paged
     kernel (C++ on CPU, one query row at a time, streaming the context) or,
     where it is unavailable, the gather and SDPA above.
@@ -46,24 +43,22 @@ TILE_MIN_ROWS = 16
 # kernel streams the whole context once per row (2 threads, fp32, 12/4 heads of 64: break-even at
 # 16-32 rows, gather 1.8x faster at 32 rows over 1k tokens, 3.7x at 64 over 4k).
 GATHER_MIN_ROWS = 32
-# The same for the gather into our GEMMs (float32 on CPU), which pay off sooner: break-even at about 8 rows
-# with the AVX2 paged kernel (one sequence, 2 threads: at 8 rows the paged kernel takes 0.49x the gather's
-# time over 256 cached tokens, 1.05-1.08x over 1,024-4,096; at 16 rows 0.82x, 1.24-1.48x; at 32, 1.1-1.9x).
-GEMM_GATHER_MIN_ROWS = 8
-# With AMX, context chunks of this many rows and more take the split flash attention (`split_attention`);
-# shorter ones the tile kernel or the paged one. 2 threads, 12/4 heads of 64, bf16, against the tile kernel:
-# 256 rows over 2,048 tokens 3.7 ms vs 11.1, 8 x 32 rows over 1,024 5.1 vs 7.9, 16 x 16 over 512 5.6 vs 4.9.
+# With flash attention, context chunks of this many rows and more take the split flash attention
+# (`split_attention`); shorter ones the tile kernel or the paged one. 2 threads, 12/4 heads of 64, bf16 on
+# AMX against the tile kernel: 256 rows over 2,048 tokens 3.7 ms vs 11.1, 8 x 32 rows over 1,024 5.1 vs 7.9,
+# 16 x 16 over 512 5.6 vs 4.9. float32 on an AVX2 EPYC against the AVX2 paged kernel: 16 rows over 2,000
+# tokens 2.5 ms vs 2.0, 32 over 1,000-3,000 about even, 64 over 2,000 6.0 vs 8.0, 128 over 3,500 18 vs 31.
 SPLIT_MIN_ROWS = 32
 
 
 class AttentionPath(Enum):
     """Which attention code computes a chunk's rows."""
 
-    FRESH = "fresh"  # a chunk at position 0: its own keys only (our GEMMs or SDPA), grouped by length
+    FRESH = "fresh"  # a chunk at position 0: its own keys only (SDPA), grouped by length
     FRESH_TILES = "fresh_tiles"  # ... on the bf16 tile kernel
-    CONTEXT_SPLIT = "context_split"  # after cached tokens: two flash-attention calls merged (AMX)
+    CONTEXT_SPLIT = "context_split"  # after cached tokens: two flash-attention calls merged
     CONTEXT_TILES = "context_tiles"  # ... the tile kernel reading keys through the block table
-    CONTEXT_GATHER = "context_gather"  # ... the context gathered, then our GEMMs or SDPA
+    CONTEXT_GATHER = "context_gather"  # ... the context gathered, then SDPA under a mask
     PAGED = "paged"  # the paged kernel (or its torch fallback): decode and short context chunks
 
 
@@ -72,7 +67,7 @@ class AttentionCaps:
     """What this runner's attention can use (from the device, dtype and CPU features, fixed at load)."""
 
     tiles: bool = False  # the bf16 tile kernel loaded (AVX512-BF16)
-    amx: bool = False  # PyTorch's CPU flash attention on AMX takes bf16 prefills
+    flash: bool = False  # PyTorch's CPU flash attention takes prefills (float32; bf16 on AMX or without tiles)
     paged_kernel: bool = False  # our paged-attention kernel loaded
     gather_min_rows: int = GATHER_MIN_ROWS  # context chunks this long gather their context
 
@@ -80,8 +75,8 @@ class AttentionCaps:
 def attention_path(start: int, num_rows: int, caps: AttentionCaps) -> AttentionPath:
     """The path of a chunk of `num_rows` query rows starting at position `start`. Pure."""
     if start == 0:
-        return AttentionPath.FRESH_TILES if caps.tiles and not caps.amx else AttentionPath.FRESH
-    if caps.amx and num_rows >= SPLIT_MIN_ROWS:
+        return AttentionPath.FRESH_TILES if caps.tiles and not caps.flash else AttentionPath.FRESH
+    if caps.flash and num_rows >= SPLIT_MIN_ROWS:
         return AttentionPath.CONTEXT_SPLIT
     if caps.tiles and num_rows >= TILE_MIN_ROWS:
         return AttentionPath.CONTEXT_TILES
@@ -173,13 +168,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     if meta.tile_ctx is not None:
         t = meta.tile_ctx
         tile_attention.tile_attention_(out, q, k_cache, v_cache, t.q_start, t.q_len, t.pos0, t.block_tables, scale)
-    gemm = uses_gemm_attention(q.device, q.dtype)
     for starts, length in meta.fresh_groups:
-        if gemm:  # row blocks over keys up to the block: skips the masked half's FLOPs
-            for s in starts:
-                out[s:s + length] = _causal_attention_gemm(q[s:s + length], k[s:s + length].transpose(0, 1),
-                                                           v[s:s + length].transpose(0, 1), scale)
-        elif len(starts) == 1 or starts == list(range(starts[0], starts[0] + len(starts) * length, length)):
+        if len(starts) == 1 or starts == list(range(starts[0], starts[0] + len(starts) * length, length)):
             # adjacent chunks of one length (the usual case): (B, L, H, D) views, no gather
             s, rows = starts[0], len(starts) * length
             qs, ks, vs = (t[s:s + rows].unflatten(0, (len(starts), length)) for t in (q, k, v))
@@ -234,17 +224,18 @@ def mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def uses_gemm_attention(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `causal_attention` runs our GEMM path (which needs no mask) rather than SDPA."""
-    return device.type == "cpu" and dtype == torch.float32
-
-
-def uses_amx_attention(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether prefill attention runs as PyTorch's CPU flash attention (bf16 on a CPU with AMX tiles, where
-    its GEMMs outrun the AVX512-BF16 tile kernel: a fresh 4 x 512-token prefill 4.6 ms vs 14.3, 2 threads)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and bool(torch.cpu._is_amx_tile_supported())
-            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
-
+def uses_flash_attention(device: torch.device, dtype: torch.dtype, tiles: bool) -> bool:
+    """Whether prefill attention runs as PyTorch's CPU flash attention: in float32 (on an AVX2 EPYC, 2 threads,
+    12/4 heads of 64, 0.56-0.92x the time of row-blocked GEMMs for fresh prefills of 64-1,024 tokens, and
+    the split calls 0.58-0.87x a gather and GEMMs for 64-512 rows over 2,000-3,500 cached tokens); in bf16 on
+    a CPU with AMX tiles, where its GEMMs outrun the AVX512-BF16 tile kernel (a fresh 4 x 512-token prefill
+    4.6 ms vs 14.3, 2 threads); and in bf16 where the tile kernel (`tiles`) does not run (AVX2: the split
+    calls 0.23-0.57x a gather and masked SDPA for 32-256 rows over 1,000-4,000 cached tokens)."""
+    if device.type != "cpu" or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.cpu._is_amx_tile_supported()) or not tiles
+    return dtype == torch.float32
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, blocks: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -269,11 +260,6 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return o.transpose(0, 1).to(q.dtype)
 
 
-def gather_min_rows(device: torch.device, dtype: torch.dtype) -> int:
-    """The fewest rows of a context chunk that gather its context rather than go through the paged kernel."""
-    return GEMM_GATHER_MIN_ROWS if uses_gemm_attention(device, dtype) else GATHER_MIN_ROWS
-
-
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                       ctx_len: int, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's query rows (n, H, D), the last n positions of its first `ctx_len` cached tokens, which
@@ -292,52 +278,11 @@ def gather_context(cache: torch.Tensor, blocks: torch.Tensor, ctx_len: int) -> t
 def causal_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, scale: float,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Query rows (n, H, D) that are the last n positions of the context `ks`, `vs` (Hkv, ctx, D), each
-    seeing the context up to itself. float32 on CPU: our GEMMs; otherwise SDPA under `mask` (`context_mask`
-    of those positions, or its `mask_bias` in q's dtype, which a step builds once for all its layers;
-    built here when not given). Returns (n, H, D)."""
-    if uses_gemm_attention(q.device, q.dtype):
-        return _causal_attention_gemm(q, ks, vs, scale)
+    seeing the context up to itself: SDPA under `mask` (`context_mask` of those positions, or its `mask_bias`
+    in q's dtype, which a step builds once for all its layers; built here when not given). Returns (n, H, D)."""
     n, ctx_len = q.shape[0], ks.shape[1]
     if mask is None:
         mask = context_mask(ctx_len, torch.arange(ctx_len - n, ctx_len, device=q.device))
     o = F.scaled_dot_product_attention(q.transpose(0, 1), ks, vs, attn_mask=mask, scale=scale,
                                        enable_gqa=q.shape[1] != ks.shape[0])
     return o.transpose(0, 1)
-
-
-# Row blocks of `_causal_attention_gemm`: about this many float32 scores per KV head (1 MiB, so a block's
-# scores stay in L2 through the softmax), 32 to 128 rows ...
-_BLOCK_SCORES = 256 << 10
-# ... and at most this many scores per block over all heads (32 MiB), for very long contexts.
-_SCORE_ELEMS = 8 << 20
-
-
-def _causal_attention_gemm(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, scale: float) -> torch.Tensor:
-    """`causal_attention` in float32 on CPU. The query heads that share a KV head become rows of one GEMM
-    against its keys (scores = Q K^T, softmax, P V), in row blocks; a block takes only the keys its last
-    row sees, and masks the triangle in the last of them. Against SDPA (2 threads, 12/4 heads of 64):
-    a fresh 512-token prefill 4.9 ms vs 25.9, 512 rows over 1,536 tokens 26 ms vs 51 (one block: 51);
-    errors ~1e-7."""
-    n, num_heads, head_dim = q.shape
-    num_kv_heads, ctx_len = ks.shape[0], ks.shape[1]
-    group = num_heads // num_kv_heads
-    qg = (q * scale).view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # (Hkv, g, n, D)
-    kt = ks.transpose(1, 2)  # (Hkv, D, ctx)
-    out = torch.empty(num_kv_heads, group, n, head_dim, dtype=q.dtype, device=q.device)
-    rows = min(128, max(32, _BLOCK_SCORES // (group * ctx_len)))
-    rows = max(1, min(rows, _SCORE_ELEMS // (num_heads * ctx_len)))
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        r, keys = r1 - r0, ctx_len - (n - r1)  # the block's last row sees keys [0, keys)
-        qb = qg[:, :, r0:r1].reshape(num_kv_heads, group * r, head_dim)
-        scores = torch.bmm(qb, kt[:, :, :keys])  # (Hkv, g * r, keys)
-        # Row i of the block sees the first i + 1 of the last r keys.
-        scores.view(num_kv_heads, group, r, keys)[..., keys - r:].masked_fill_(_strict_upper(r, q.device),
-                                                                               float("-inf"))
-        out[:, :, r0:r1] = torch.bmm(scores.softmax(dim=-1), vs[:, :keys]).view(num_kv_heads, group, r, head_dim)
-    return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
-
-
-def _strict_upper(r: int, device: torch.device) -> torch.Tensor:
-    """(r, r) bool, True above the diagonal."""
-    return torch.ones(r, r, dtype=torch.bool, device=device).triu_(1)

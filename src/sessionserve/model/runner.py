@@ -11,17 +11,16 @@ import torch
 from sessionserve.config import CacheConfig, ModelConfig
 from sessionserve.model import paged_kernel, tile_attention
 from sessionserve.model.attention import (
+    GATHER_MIN_ROWS,
     AttentionCaps,
     AttentionMetadata,
     AttentionPath,
     TileBatchBuilder,
     attention_path,
     context_mask,
-    gather_min_rows,
     mask_bias,
     pad_tables,
-    uses_amx_attention,
-    uses_gemm_attention,
+    uses_flash_attention,
 )
 from sessionserve.model.decoder import DecoderModel
 from sessionserve.model.hf_config import ModelArch, load_arch
@@ -101,9 +100,8 @@ class ModelRunner:
                            and paged_kernel.supports(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim))
         self.use_tiles = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and tile_attention.available()
                           and tile_attention.supports_shape(self.arch.head_dim))
-        self.gemm_attention = uses_gemm_attention(self.device, self.dtype)  # our GEMMs (no mask) rather than SDPA
-        self.amx_attention = uses_amx_attention(self.device, self.dtype)  # prefills: flash attention, not tiles
-        self.gather_min_rows = gather_min_rows(self.device, self.dtype)  # context chunks this long gather
+        self.flash_attention = uses_flash_attention(self.device, self.dtype, self.use_tiles)  # prefills: flash
+        self.gather_min_rows = GATHER_MIN_ROWS  # context chunks this long gather (when not flash)
         self._generators: dict[str, tuple[Sequence, torch.Generator]] = {}
         self._prompt_ids: dict[str, tuple[Sequence, torch.Tensor]] = {}  # repetition_penalty's prompt token sets
         self._default_generator = torch.Generator(device=self.device)
@@ -115,12 +113,11 @@ class ModelRunner:
                     "prefill attention %s, packed weights %s",
                     self.arch.architecture, self.arch.num_params() / 1e6, self.device, self.dtype,
                     self.num_blocks, self.block_size, "on" if self.use_kernel else "off",
-                    "flash (AMX)" if self.amx_attention else "tiles" if self.use_tiles
-                    else "ours (GEMM)" if self.gemm_attention else "SDPA", "on" if self.packed else "off")
+                    "flash" if self.flash_attention else "tiles" if self.use_tiles else "SDPA", "on" if self.packed else "off")
 
     @property
     def attention_caps(self) -> AttentionCaps:
-        return AttentionCaps(tiles=self.use_tiles, amx=self.amx_attention, paged_kernel=self.use_kernel,
+        return AttentionCaps(tiles=self.use_tiles, flash=self.flash_attention, paged_kernel=self.use_kernel,
                              gather_min_rows=self.gather_min_rows)
 
     @torch.inference_mode()
@@ -254,9 +251,8 @@ class ModelRunner:
                 tile_ctx.add(row0, n, start, table[: -(-end // bs)])
             elif path is AttentionPath.CONTEXT_GATHER:
                 blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)
-                bias = None
-                if not self.gemm_attention:  # SDPA's mask, once for every layer
-                    bias = mask_bias(context_mask(end, torch.arange(start, end, device=self.device)), self.dtype)
+                # SDPA's mask, once for every layer
+                bias = mask_bias(context_mask(end, torch.arange(start, end, device=self.device)), self.dtype)
                 ctx_gather.append((row0, n, blocks, end, bias))
             else:
                 paged_spans.append((len(paged_rows), n))
