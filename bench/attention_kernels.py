@@ -123,8 +123,7 @@ def decode(seqs: int, ctx: int, H: int, Hkv: int, D: int, BS: int, dtype: torch.
     KV of a layer is no longer in cache when the next step comes back to it); the time is per call."""
     nb = -(-ctx // BS)
     pool = 2 * seqs * nb + 4  # the sequences' blocks scattered over twice their number
-    caches = [(torch.randn(pool, Hkv, BS, D, generator=g).to(dtype), torch.randn(pool, Hkv, BS, D, generator=g).to(dtype))
-              for _ in range(layers)]
+    caches = [tuple(torch.randn(pool, Hkv, BS, D, generator=g).to(dtype) for _ in range(2)) for _ in range(layers)]
     tables = torch.randperm(pool, generator=g)[:seqs * nb].view(seqs, nb).to(torch.int32)
     q = torch.randn(seqs, H, D, generator=g).to(dtype)
     seq, pos = torch.arange(seqs, dtype=torch.int32), torch.full((seqs,), ctx - 1, dtype=torch.int32)

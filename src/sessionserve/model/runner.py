@@ -113,7 +113,8 @@ class ModelRunner:
                     "prefill attention %s, packed weights %s",
                     self.arch.architecture, self.arch.num_params() / 1e6, self.device, self.dtype,
                     self.num_blocks, self.block_size, "on" if self.use_kernel else "off",
-                    "flash" if self.flash_attention else "tiles" if self.use_tiles else "SDPA", "on" if self.packed else "off")
+                    "flash" if self.flash_attention else "tiles" if self.use_tiles else "SDPA",
+                    "on" if self.packed else "off")
 
     @property
     def attention_caps(self) -> AttentionCaps:
