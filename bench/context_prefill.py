@@ -7,10 +7,11 @@ the user's message) is computed over the session's cached history. Per
 context length: the context is prefilled once (cached), then the timed run
 sends context + `--new` fresh tokens as one request (one step, one chunk)
 and measures it to its first token. Each attention path on its own engine,
-side by side: `gather` (context chunks of `attention.gather_min_rows` rows
-or more gather their context for attention, the default) and `paged` (every
-context chunk streams the context once per row through the paged kernel,
-the behaviour before). Median of `--repeats` runs, distinct tokens each.
+side by side: `gather` (the default: context chunks of
+`attention.SPLIT_MIN_ROWS` rows or more take the split flash attention where
+the runner uses it, else from `attention.gather_min_rows` rows a gather of
+their context; the label is the historical one) and `paged` (every context
+chunk streams the context once per row through the paged kernel). Median of `--repeats` runs, distinct tokens each.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main() -> None:
                                            max_num_batched_tokens=max(512, a.new), max_num_seqs=8), model)
         if path == "paged":
             eng.runner.gather_min_rows = 1 << 30
+            eng.runner.flash_attention = False  # else chunks of SPLIT_MIN_ROWS+ rows take the split calls
         first_token_s(eng, torch.randint(100, 16000, (a.new,), generator=gen).tolist())  # warm-up
         results[path] = {}
         for ctx in contexts:

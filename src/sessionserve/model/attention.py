@@ -226,7 +226,7 @@ def mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def uses_flash_attention(device: torch.device, dtype: torch.dtype, tiles: bool) -> bool:
     """Whether prefill attention runs as PyTorch's CPU flash attention: in float32 (on an AVX2 EPYC, 2 threads,
-    12/4 heads of 64, 0.56-0.92x the time of row-blocked GEMMs for fresh prefills of 64-1,024 tokens, and
+    12/4 heads of 64, 0.48-0.92x the time of row-blocked GEMMs for fresh prefills of 64-1,024 tokens, and
     the split calls 0.58-0.87x a gather and GEMMs for 64-512 rows over 2,000-3,500 cached tokens); in bf16 on
     a CPU with AMX tiles, where its GEMMs outrun the AVX512-BF16 tile kernel (a fresh 4 x 512-token prefill
     4.6 ms vs 14.3, 2 threads); and in bf16 where the tile kernel (`tiles`) does not run (AVX2: the split
