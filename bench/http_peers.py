@@ -12,8 +12,9 @@ and for `ours` (all of it device KV); `ours-host` splits the same total into
 device KV and a host tier of `--host-kv-bytes` for parked sessions (on a CPU
 `serve` adds a full-precision host tier back to the device KV and says so: as a
 tier the same RAM holds no more tokens); `ours-host-int8` keeps it as a tier stored
-as int8; `ours-admit` turns on session admission by working set; `vllm-offload` splits it the same way for vLLM's own KV
-offloading to CPU memory (`--kv-offloading-size`). Each server's CPU time (its whole process group, from
+as int8; `ours` admits sessions by working set only where that pays (`--admission auto`, the default),
+`ours-admit` always (`working-set`), `ours-no-admission` never (`off`); `vllm-offload` splits the total the same
+way for vLLM's own KV offloading to CPU memory (`--kv-offloading-size`). Each server's CPU time (its whole process group, from
 /proc) over each load gives the cores it kept busy.
 
     .venv/bin/python bench/http_peers.py                      # ours (predictive), ours with a host tier, vLLM
@@ -62,8 +63,10 @@ OURS: dict[str, tuple[list[str], bool]] = {
     "ours-no-ids": (["--implicit-sessions", "all"], False),
     # A stateless server: a session's KV is dropped when its turn ends (the prefix cache may still hit).
     "ours-discard": (["--residency-policy", "discard"], True),
-    # Session admission by working set: new sessions wait at the door while the admitted ones' contexts fill the KV.
+    # Session admission by working set: new sessions wait at the door while the admitted ones' contexts fill the KV
+    # (the default, "auto", does so only where recomputing a context costs more than a tool wait).
     "ours-admit": (["--admission", "working-set"], True),
+    "ours-no-admission": (["--admission", "off"], True),
 }
 # vLLM's own offloading (its OffloadingConnector to CPU memory): the same total, `--host-kv-bytes` of it offloaded.
 SERVERS = (*OURS, "vllm", "vllm-offload")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sessionserve.config import ADMISSION_MODES
+
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH",
@@ -192,10 +194,12 @@ def main(argv: list[str] | None = None) -> None:
                        choices=["discard", "keep", "ttl", "least-waste", "predictive"],
                        help="what happens to a parked session's KV (default: predictive, which keeps, moves "
                             "to a lower tier or drops each session by its expected wait and cost)")
-    serve.add_argument("--admission", choices=("off", "working-set"), default="off",
+    serve.add_argument("--admission", choices=ADMISSION_MODES, default="auto",
                        help="working-set: new sessions wait at the door while the active sessions' contexts fill "
                             "--admission-fill of the device KV, so returning turns keep their KV (no thrashing "
-                            "past the knee); off (default): every request runs as it comes")
+                            "past the knee); auto (default): so only while recomputing a session's context costs "
+                            "more than an agent's tool wait, as measured while serving; off: every request runs "
+                            "as it comes")
     serve.add_argument("--admission-fill", type=float, default=1.2,
                        help="share of the device KV the admitted sessions' contexts may fill")
     serve.add_argument("--admission-when-full", choices=("hold", "reject"), default="hold",

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sessionserve.config import ADMISSION_MODES
 from sessionserve.obs.machine import cpu_model_name
 
 MiB = 1 << 20
@@ -71,7 +72,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--threads", type=int, default=None)
-    g.add_argument("--admission", choices=("off", "working-set"), default="off",
+    g.add_argument("--admission", choices=ADMISSION_MODES, default="auto",
                    help="inproc/simulate: session admission by working set (serve --admission)")
     g.add_argument("--admission-fill", type=float, default=1.2,
                    help="inproc/simulate: share of the device KV the admitted sessions may fill")

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sessionserve.config import ADMISSION_MODES
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -179,7 +181,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    "profile's device memory)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--admission", choices=("off", "working-set"), default="off",
+    g.add_argument("--admission", choices=ADMISSION_MODES, default="auto",
                    help="session admission by working set on the replicas (serve --admission)")
     g.add_argument("--max-sim-users", type=int, default=64, help="most agents per replica considered (the replica "
                    "ladder starts at users / this)")

@@ -17,6 +17,7 @@ GiB = 1 << 30
 # The values of SchedulerConfig.scheduling_policy and .scheduling_order (core/priority.py says what each does).
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SCHEDULING_ORDERS = ("program", "request")
+ADMISSION_MODES = ("auto", "working-set", "off")
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,13 @@ class SchedulerConfig:
     preempt_after_s: float = 0.5
     # Session admission by working set (core/admission.py): "working-set" holds new sessions at the door
     # while the active admitted sessions' contexts fill `admission_fill` of the device KV, so returning
-    # turns keep their KV instead of thrashing; "off": every request is scheduled as it comes. Each session
-    # is counted at the context sessions typically reach, which overstates the
-    # working set at any moment (they do not all peak together): 1.2 was best of 0.9 / 1.2 / 1.6 on the
-    # simulated weka_claude_code sweep in bench/RESULTS.md.
-    admission: str = "off"
+    # turns keep their KV instead of thrashing; "auto" does so only while recomputing a session's context
+    # costs more engine time than an agent's tool wait (measured; where it does not, holding would only
+    # idle the engine); "off": every request is scheduled as it comes. Each session is counted at the
+    # context sessions typically reach, which overstates the working set at any moment (they do not all
+    # peak together): 1.2 was best of 0.9 / 1.2 / 1.6 on the simulated weka_claude_code sweep in
+    # bench/RESULTS.md.
+    admission: str = "auto"
     admission_fill: float = 1.2
     # A parked admitted session stops counting after max(this, 3 x its expected wait) idle: agents come back
     # within seconds of a tool call, and one that finished rarely says so.
@@ -121,8 +124,8 @@ class SchedulerConfig:
             raise ValueError(f"background_prefill_tokens must be >= 0, got {self.background_prefill_tokens}")
         if self.max_prefill_step_s is not None and self.max_prefill_step_s <= 0:
             raise ValueError(f"max_prefill_step_s must be > 0, got {self.max_prefill_step_s}")
-        if self.admission not in ("off", "working-set"):
-            raise ValueError(f"admission must be off or working-set, got {self.admission!r}")
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSION_MODES)}, got {self.admission!r}")
         if self.admission_when_full not in ("hold", "reject"):
             raise ValueError(f"admission_when_full must be hold or reject, got {self.admission_when_full!r}")
         if not 0 < self.admission_fill <= 4:

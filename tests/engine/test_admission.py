@@ -78,6 +78,61 @@ def test_a_returning_turn_of_an_admitted_session_does_not_wait(tiny_llama: Path)
     assert first
 
 
+def measured(eng: LLMEngine, wait_s: float, prefill_s_per_token: float) -> None:
+    """Set what "auto" admission weighs: the agents' tool waits and the cost of a recomputed token."""
+    for _ in range(1100):  # more than the predictor's window of all waits: these set its median
+        eng.core.sessions.predictor.observe(("other",), wait_s)
+    eng.core.prefill_s_per_token = prefill_s_per_token
+
+
+def test_auto_admission_holds_only_where_a_recompute_costs_more_than_a_tool_wait(tiny_llama: Path) -> None:
+    free_for_all, _ = run_rounds(engine(tiny_llama, "off"), 6, 2)
+    # Recomputing a ~300-token context is cheaper than the agents' waits: every turn goes in, as with "off".
+    eng = engine(tiny_llama, "auto")
+    assert eng.core.door is not None and not eng.core.door.enforcing  # nothing measured yet: it does not hold
+    measured(eng, wait_s=1000.0, prefill_s_per_token=1e-3)
+    outs, _ = run_rounds(eng, 6, 2)
+    assert outs == free_for_all and eng.core.door.num_held_total == 0 and not eng.core.door.enforcing
+    # Where it costs more than a wait, the door holds new sessions past the working set, as "working-set" does.
+    eng = engine(tiny_llama, "auto")
+    measured(eng, wait_s=1e-6, prefill_s_per_token=1e-3)
+    outs, most_running = run_rounds(eng, 6, 2)
+    door = eng.core.door
+    assert outs == free_for_all and door.enforcing and door.num_held_total >= 3 and most_running <= 4
+    assert not door.held and eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_sessions_that_went_in_while_the_door_was_open_stay_admitted_once_it_holds(tiny_llama: Path) -> None:
+    eng = engine(tiny_llama, "auto")
+    measured(eng, wait_s=1000.0, prefill_s_per_token=1e-3)
+    sids = [eng.open_session() for _ in range(4)]
+    for sid, p in zip(sids[:3], prompts(4, 3, 300)):  # ~20 blocks each: three fill the 64-block budget
+        eng.add_request(p, GREEDY, session_id=sid)
+    while eng.has_unfinished():
+        eng.step()
+    for sid in sids[:3]:
+        eng.park(sid, tools=("tool",), expected_wait_s=30.0)  # each comes back within 3 x its wait
+    door = eng.core.door
+    assert door.num_held_total == 0 and set(door.admitted) == set(sids[:3])
+    measured(eng, wait_s=1e-6, prefill_s_per_token=1e-3)  # now thrashing costs more than waiting
+    for sid in sids[:3]:  # the admitted sessions' next turns pass the door
+        eng.add_request([7, 8, 9], GREEDY, session_id=sid)
+    assert door.enforcing and door.num_held_total == 0
+    eng.add_request(prompts(5, 1, 300)[0], GREEDY, session_id=sids[3])  # a new one waits for room
+    assert door.num_held_total == 1 and len(door.held) == 1
+    for sid in sids:
+        eng.close_session(sid)
+    assert not door.held
+    for _ in range(100):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    assert not eng.has_unfinished()
+    eng.kv.check_integrity()
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+    eng.close()
+
+
 def test_reject_mode_refuses_new_sessions_past_the_working_set_with_a_retry_time(tiny_llama: Path) -> None:
     from sessionserve.core.admission import AdmissionFull
 

@@ -12,6 +12,10 @@ sessions run at full speed. A session stops counting once it has been idle
 well past its expected tool wait (an agent that finished sends no more turns
 and rarely says so); its next turn, if one comes, is a new arrival.
 
+The door pays only where thrashing costs more than waiting: with "auto" admission (the default) it holds
+turns only while recomputing a session's context takes more engine time than an agent's tool wait, as
+measured on this machine (`door_pays`); otherwise every turn goes in, as with admission off.
+
 Pure: a frozen policy over a view; no clock (`now_s` comes in), no torch.
 """
 
@@ -97,6 +101,23 @@ class WorkingSetAdmission:
         return tuple(admitted)
 
 
+def door_pays(recompute_s_per_token: float | None, context_tokens: float, wait_s: float | None) -> bool:
+    """Whether holding new sessions at the door pays on this machine and model ("auto" admission).
+
+    Past the knee, a newcomer admitted beyond the budget costs, each time it evicts an admitted session's
+    context, that context's recompute: `context_tokens` at the measured `recompute_s_per_token` of engine
+    time. Holding it costs engine time only when every admitted session waits on its tools at once: up to
+    a tool wait, `wait_s` (the agents' typical). So the door holds only where recomputing a context costs
+    more than a tool wait: a large model with long contexts and short waits (thrashing is ruinous there),
+    not a tiny model whose contexts are cheap to recompute (holding would only idle the engine). Until both
+    are measured (no prefill timed, no wait seen yet) it does not hold: a server whose sessions never come
+    back (chat clients, implicit sessions) must not fill its working set with them and make others wait.
+    """
+    if recompute_s_per_token is None or wait_s is None:
+        return False
+    return recompute_s_per_token * context_tokens > wait_s
+
+
 class AdmissionDoor:
     """The engine's side of admission: the turns that wait at the door, and the sessions admitted.
 
@@ -106,9 +127,13 @@ class AdmissionDoor:
     turns it lets in; the engine then starts them. Called from the engine thread only.
     """
 
-    def __init__(self, policy: WorkingSetAdmission, block_size: int) -> None:
+    def __init__(self, policy: WorkingSetAdmission, block_size: int, auto: bool = False) -> None:
         self.policy = policy
         self.block_size = block_size
+        # "auto": the door holds turns only while `door_pays` (the engine sets `enforcing` from its measured
+        # costs); while it does not, every turn goes in and the door only keeps count of the sessions.
+        self.auto = auto
+        self.enforcing = not auto
         self.held: list[HeldTurn] = []
         self.admitted: dict[str, int] = {}  # admitted session id -> the most blocks its context reached
         self.num_held_total = 0  # turns that waited at the door, since start
@@ -128,11 +153,33 @@ class AdmissionDoor:
     def must_wait(self, session: Session | None, now_s: float, sessions: SessionManager | None) -> bool:
         """Whether a turn of `session` (None: a request without one) waits at the door: unless its session is
         admitted and still active. Changes nothing."""
+        if not self.enforcing or (session is None and self.auto):  # "auto" holds sessions only
+            return False
         return not (session is not None and session.session_id in self.admitted and sessions is not None
                     and self.policy.is_active(self.member(session, now_s, sessions)))
 
+    def entered(self, session_id: str, num_context_tokens: int, now_s: float, running: list[Sequence],
+                sessions: SessionManager) -> None:
+        """A turn of a session (`num_context_tokens` with its history) went in while the door does not enforce
+        its budget: count the session as admitted, so its next turns pass once the door does, and forget the
+        sessions that left."""
+        if session_id not in self.admitted:
+            self._members(now_s, running, sessions)
+        self.admitted[session_id] = max(self.admitted.get(session_id, 0), self._blocks(num_context_tokens))
+
+    def context_tokens(self, arriving_tokens: int) -> float:
+        """The context an admitted session holds now, on average (what thrashing makes one recompute); with
+        none admitted, the context sessions typically reached when they left, else the arriving turn's."""
+        if self.admitted:
+            return self.block_size * sum(self.admitted.values()) / len(self.admitted)
+        return self.block_size * self.typical_blocks or arriving_tokens
+
     def is_holding(self, session_id: str) -> bool:
-        return any(h.session_id == session_id for h in self.held)
+        return self.held_turn(session_id) is not None
+
+    def held_turn(self, session_id: str) -> HeldTurn | None:
+        """The turn of `session_id` waiting at the door, if one does."""
+        return next((h for h in self.held if h.session_id == session_id), None)
 
     def hold(self, seq: Sequence, session_id: str | None, num_new_tokens: int) -> None:
         """`seq` waits at the door (`num_new_tokens`: what it adds to its session when it starts)."""
@@ -197,7 +244,8 @@ class AdmissionDoor:
         candidates = tuple(Candidate(h.seq.request_id, h.session_id or h.seq.request_id,
                                      self._blocks(h.num_context_tokens(sessions))) for h in self.held)
         let_in = set(self.policy.admit(AdmissionView(tuple(members), candidates, len(running),
-                                                     round(self.typical_blocks))))
+                                                     round(self.typical_blocks)))) \
+            if self.enforcing else {c.request_id for c in candidates}
         out = [h for h in self.held if h.seq.request_id in let_in]
         self.held = [h for h in self.held if h.seq.request_id not in let_in]
         for h in out:

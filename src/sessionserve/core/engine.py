@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from sessionserve.cache.kv_manager import KVCacheManager
 from sessionserve.config import SchedulerConfig
-from sessionserve.core.admission import AdmissionDoor, AdmissionFull, WorkingSetAdmission
+from sessionserve.core.admission import AdmissionDoor, AdmissionFull, WorkingSetAdmission, door_pays
 from sessionserve.core.priority import priority_rank
 from sessionserve.core.scheduler import Scheduler
 from sessionserve.core.session import Session, SessionState
@@ -65,10 +65,12 @@ class EngineCore:
         self.num_aborted_before_start = 0  # aborted while queued (or held at the door): nothing computed
         self.num_aborted_prefill_tokens = 0  # prompt tokens computed (not cached) for requests then aborted
         self.step_fit = StepCostFit()  # decode step time vs tokens: where verifying drafts stops being free
-        # Session admission by working set (None: off): new sessions wait at the door past the knee.
+        # Session admission by working set (None: off): new sessions wait at the door past the knee ("auto":
+        # only while that pays, see _update_door).
         self.door = AdmissionDoor(WorkingSetAdmission(int(kv.pool.num_blocks * scheduler_config.admission_fill),
-                                                      scheduler_config.admission_hold_s), kv.block_size) \
-            if scheduler_config.admission == "working-set" else None
+                                                      scheduler_config.admission_hold_s), kv.block_size,
+                                  auto=scheduler_config.admission == "auto") \
+            if scheduler_config.admission != "off" else None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     salt: bytes = b"", session_id: str | None = None, priority: str | None = None,
@@ -104,6 +106,7 @@ class EngineCore:
         self.scheduler.check_fits(seq)
         sid = session.session_id if session is not None else None
         num_new = len(new_ids) if session is not None else seq.num_tokens  # what the turn adds to its context
+        self._update_door(seq.num_tokens)
         if self.door is not None and self.door.must_wait(session, seq.arrival_s, self.sessions):
             # At the door: the session does not start the turn yet (its KV stays parked).
             if session is not None and (session.state is SessionState.RUNNING or self.door.is_holding(sid)):
@@ -119,6 +122,10 @@ class EngineCore:
                 assert self.sessions is not None
                 self.sessions.pinned.add(sid)
         else:
+            if self.door is not None and session is not None and not self.door.enforcing:
+                assert self.sessions is not None
+                self.door.entered(session.session_id, seq.num_tokens, seq.arrival_s, self.scheduler.running,
+                                  self.sessions)
             self._start(seq, session, num_new if session is not None else 0, seq.arrival_s)
         self.requests[request_id] = seq
         return seq
@@ -225,6 +232,9 @@ class EngineCore:
         session = self._session(session_id)
         if session.request_id is not None:
             self.abort(session.request_id)
+        held = self.door.held_turn(session_id) if self.door is not None else None
+        if held is not None:  # a turn waiting at the door: it never starts
+            self.abort(held.seq.request_id)
         assert self.sessions is not None
         return self.sessions.close(session_id)
 
@@ -242,6 +252,7 @@ class EngineCore:
         if self.proposer is not None:
             self._propose()
         if self.door is not None and self.door.held:
+            self._update_door(self.door.held[0].seq.num_tokens)
             self._let_in(self.clock())
         plan: SchedulerOutput = self.scheduler.schedule(self.clock(), self._prefill_tokens())
         if plan.is_empty:
@@ -288,6 +299,16 @@ class EngineCore:
         for held in self.door.release(now, self.scheduler.running, self.sessions, self.scheduler.order(now)):
             session = self.sessions.get(held.session_id) if self.sessions and held.session_id else None
             self._start(held.seq, session, held.num_new_tokens, now)
+
+    def _update_door(self, arriving_tokens: int) -> None:
+        """"auto" admission: the door enforces its budget while recomputing an admitted session's context
+        costs more engine time than an agent's typical tool wait (both measured here; `door_pays`)."""
+        door = self.door
+        if door is None or not door.auto or self.sessions is None:
+            return
+        waits = self.sessions.predictor.overall()
+        door.enforcing = door_pays(self.prefill_s_per_token, door.context_tokens(arriving_tokens),
+                                   waits.p50_s if waits is not None else None)
 
     def _prefill_tokens(self) -> int | None:
         """The prompt tokens a step may batch with decodes: config max_prefill_step_s at the measured cost per

@@ -76,6 +76,13 @@ class WaitPredictor:
             self._by_tool.setdefault(tool, _Window(self.window)).add(wait_s)
         self._all.add(wait_s)
 
+    def overall(self) -> WaitPrediction | None:
+        """Quantiles of every wait observed, whatever the tools; None before `min_samples` waits."""
+        w = self._all
+        if len(w) < self.min_samples:
+            return None
+        return WaitPrediction(w.quantile(0.10), w.quantile(0.50), w.quantile(0.90), len(w))
+
     def predict(self, tools: tuple[str, ...], hint_s: float | None = None) -> WaitPrediction:
         """Quantiles of the wait after calling `tools`. A client hint, when given, sets the median."""
         key = (tools, hint_s)

@@ -80,7 +80,8 @@ class Metrics:
         self.failed_steps = Gauge("sessionserve_failed_steps", "Engine steps that raised; each request then ran "
                                   "alone and only the ones that raised failed", labels, registry=r)
         self.admission = Gauge("sessionserve_admission", "Session admission by working set: turns waiting at the "
-                               "door now, sessions admitted, turns that waited or were refused (429) since start",
+                               "door now, sessions admitted, turns that waited or were refused (429) since start, "
+                               "whether the door enforces its budget now (1: yes)",
                                labels + ["what"], registry=r)
         self.route_steps = Counter("sessionserve_route_steps", "Chat steps of model 'auto' by the model that ran "
                                    "them and why", ["routed_to", "reason"], registry=r)
@@ -141,6 +142,7 @@ class Metrics:
             self.admission.labels(m, "admitted").set(len(door.admitted))
             self.admission.labels(m, "waited_total").set(door.num_held_total)
             self.admission.labels(m, "rejected_total").set(door.num_rejected)
+            self.admission.labels(m, "enforcing").set(int(door.enforcing))
         total = eng.sessions.total_stats()
         self.recompute_tokens.labels(m).set(total.num_recompute_tokens)
         self.prefetch.labels(m, "hit").set(total.num_prefetch_hits)

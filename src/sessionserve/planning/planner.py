@@ -44,7 +44,7 @@ class PlanQuestion:
     device_kv_bytes: int | None = None  # None: the profile's device memory minus weights
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    admission: str = "off"  # session admission (SchedulerConfig.admission), as the replicas would run
+    admission: str = "auto"  # session admission (SchedulerConfig.admission), as the replicas would run
     sessions_per_user: float = 1.5
     host_gib_cost: float = 0.0  # replica-hours per GiB-hour of host tier
     max_sim_users: int = 64  # most agents per replica considered: the ladder starts at users / this

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sessionserve.core.admission import AdmissionView, Candidate, Member, WorkingSetAdmission
+from sessionserve.core.admission import AdmissionView, Candidate, Member, WorkingSetAdmission, door_pays
 
 POLICY = WorkingSetAdmission(budget_blocks=100, min_hold_s=30.0, hold_factor=3.0)
 
@@ -37,3 +37,15 @@ def test_a_session_larger_than_the_budget_still_runs_when_nothing_else_does() ->
 
 def test_nothing_waiting_admits_nothing() -> None:
     assert POLICY.admit(view([Member("a", 10, None, None)], [])) == ()
+
+
+def test_the_door_pays_where_recomputing_a_context_costs_more_than_a_tool_wait() -> None:
+    # llama-small on 2 cores: ~0.4 ms a token, 3,000-token contexts (1.2 s), waits of 0.8 s: hold
+    assert door_pays(4e-4, 3000, 0.8)
+    # a tiny model: 20 us a token, 1,800 tokens (36 ms) against the same waits: let everyone in
+    assert not door_pays(2e-5, 1800, 0.8)
+    # slow tools make thrashing the cheaper of the two
+    assert not door_pays(4e-4, 3000, 5.0)
+    # until both costs are measured the door does not hold
+    assert not door_pays(None, 1800, 0.8)
+    assert not door_pays(2e-5, 1800, None)
