@@ -13,9 +13,9 @@ device KV and a host tier of `--host-kv-bytes` for parked sessions (on a CPU
 `serve` adds a full-precision host tier back to the device KV and says so: as a
 tier the same RAM holds no more tokens); `ours-host-int8` keeps it as a tier stored
 as int8; `ours` admits sessions by working set only where that pays (`--admission auto`, the default),
-`ours-admit` always (`working-set`), `ours-no-admission` never (`off`); `vllm-offload` splits the total the same
-way for vLLM's own KV offloading to CPU memory (`--kv-offloading-size`). Each server's CPU time (its whole process group, from
-/proc) over each load gives the cores it kept busy.
+`ours-admit` always (`working-set`), `ours-no-admission` never (`off`); `vllm-offload` splits the total
+the same way for vLLM's own KV offloading to CPU memory (`--kv-offloading-size`). Each server's CPU time
+(its whole process group, from /proc) over each load gives the cores it kept busy.
 
     .venv/bin/python bench/http_peers.py                      # ours (predictive), ours with a host tier, vLLM
     .venv/bin/python bench/http_peers.py --servers ours,vllm --loads 16
