@@ -11,7 +11,8 @@ side by side: `gather` (the default: context chunks of
 `attention.SPLIT_MIN_ROWS` rows or more take the split flash attention where
 the runner uses it, else from `attention.gather_min_rows` rows a gather of
 their context; the label is the historical one) and `paged` (every context
-chunk streams the context once per row through the paged kernel). Median of `--repeats` runs, distinct tokens each.
+chunk streams the context once per row through the paged kernel). Median of
+`--repeats` runs, distinct tokens each.
 """
 
 from __future__ import annotations

@@ -301,8 +301,8 @@ class EngineCore:
             self._start(held.seq, session, held.num_new_tokens, now)
 
     def _update_door(self, arriving_tokens: int) -> None:
-        """"auto" admission: the door enforces its budget while recomputing an admitted session's context
-        costs more engine time than an agent's typical tool wait (both measured here; `door_pays`)."""
+        """With admission "auto", the door enforces its budget while recomputing an admitted session's
+        context costs more engine time than an agent's typical tool wait (both measured here; `door_pays`)."""
         door = self.door
         if door is None or not door.auto or self.sessions is None:
             return

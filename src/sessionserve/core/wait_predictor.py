@@ -102,8 +102,8 @@ class WaitPredictor:
             p50 = max(w.quantile(0.50) for w in known)
             p90 = max(w.quantile(0.90) for w in known)
             n = min(len(w) for w in known)
-        elif len(self._all) >= self.min_samples:
-            p10, p50, p90, n = self._all.quantile(0.10), self._all.quantile(0.50), self._all.quantile(0.90), 0
+        elif (everything := self.overall()) is not None:
+            p10, p50, p90, n = everything.p10_s, everything.p50_s, everything.p90_s, 0
         else:
             p10, p50, p90, n = self.prior_wait_s / 4, self.prior_wait_s, self.prior_wait_s * 4, 0
         if hint_s is not None:
