@@ -20,8 +20,10 @@ from typing import Any
 
 from sessionserve.workload.results import RESULTS_VERSION, build_series
 
-# Settings a run may differ in (the sweep's loads); every other setting must match.
-PER_RUN_SETTINGS = ("loads",)
+# Settings a run may differ in (the sweep's loads), and what a run measured about its servers (kept per run in
+# `merged_from`); every other setting must match.
+RUN_FACTS = ("server_startup_s", "server_recompute_tokens", "server_counters", "subagents")
+PER_RUN_SETTINGS = ("loads", "server_commands", *RUN_FACTS)
 REQUIRED_KEYS = ("version", "trace", "policies", "slo_jct_p99_s", "slo_rule")
 
 
@@ -35,6 +37,17 @@ def _same(runs: Sequence[dict[str, Any]], what: str, get: Any) -> Any:
         if v != values[0]:
             raise MergeError(f"run {i + 1} differs from run 1 in {what}: {v!r} vs {values[0]!r}")
     return values[0]
+
+
+def _server_commands(runs: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """Every server's command over the runs (the runs may run different servers); a server run with different
+    commands in two runs is a different experiment."""
+    commands: dict[str, str] = {}
+    for i, r in enumerate(runs):
+        for name, cmd in r.get("settings", {}).get("server_commands", {}).items():
+            if commands.setdefault(name, cmd) != cmd:
+                raise MergeError(f"run {i + 1} runs server {name!r} differently: {cmd!r} vs {commands[name]!r}")
+    return commands
 
 
 def merge_results(runs: Sequence[dict[str, Any]], *, command: str, slo_jct_s: float | None = None,
@@ -55,6 +68,7 @@ def merge_results(runs: Sequence[dict[str, Any]], *, command: str, slo_jct_s: fl
     machine = _same(runs, "machine", lambda r: r.get("machine"))
     settings = _same(runs, "settings", lambda r: {k: v for k, v in r.get("settings", {}).items()
                                                   if k not in PER_RUN_SETTINGS})
+    commands = _server_commands(runs)
     if slo_jct_s is not None:
         slo_rule = "given when merging"
     else:
@@ -81,7 +95,8 @@ def merge_results(runs: Sequence[dict[str, Any]], *, command: str, slo_jct_s: fl
         "date": " .. ".join(sorted({min(dates), max(dates)})),
         "model": model, "machine": machine,
         "backend": " / ".join(dict.fromkeys(r.get("backend", "") for r in runs)),
-        "settings": {**settings, "loads": " + ".join(str(r.get("settings", {}).get("loads", "")) for r in runs)},
+        "settings": {**settings, "loads": " + ".join(str(r.get("settings", {}).get("loads", "")) for r in runs),
+                     **({"server_commands": commands} if commands else {})},
         "trace": {"name": runs[0]["trace"]["name"],
                   "num_sessions": max(r["trace"]["num_sessions"] for r in runs),
                   "num_steps": max(r["trace"]["num_steps"] for r in runs),
@@ -89,7 +104,9 @@ def merge_results(runs: Sequence[dict[str, Any]], *, command: str, slo_jct_s: fl
         "merged_from": [{"run": i + 1, "command": r.get("command", ""), "date": r.get("date", ""),
                          "backend": r.get("backend", ""), "num_sessions": r["trace"]["num_sessions"],
                          "num_steps": r["trace"]["num_steps"], "series": list(r["policies"]),
-                         "loads": r.get("settings", {}).get("loads")} for i, r in enumerate(runs)],
+                         "loads": r.get("settings", {}).get("loads"),
+                         **{k: r["settings"][k] for k in RUN_FACTS if k in r.get("settings", {})}}
+                        for i, r in enumerate(runs)],
         "baseline": base,
         "reference_load": summaries[base][-1]["load"],
         "slo_jct_p99_s": slo_jct_s, "slo_rule": slo_rule,

@@ -8,6 +8,7 @@ per tier over time per policy (reference load); ttft.png: step TTFT CDF.
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from sessionserve.workload.metrics import cdf
@@ -35,23 +36,36 @@ def _save(plt: Any, fig: Any, path: Path, subtitle: str) -> Path:
 
 
 def write_goodput_plot(out_dir: Path, results: dict[str, Any], subtitle: str) -> Path:
-    """goodput.png from results.json's content alone (a merged sweep has no raw runs for the other plots)."""
+    """goodput.png from results.json's content alone (a merged sweep has no raw runs for the other plots). A load
+    run more than once is drawn at the median of its runs, each run a dot beside it."""
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     slo = results.get("slo_jct_p99_s")
+    levels: set[float] = set()
     for name, series in results["policies"].items():
-        loads = series["loads"]
-        xs = [s["load_level"] for s in loads]
-        ax1.plot(xs, [s["sessions_per_hour"] or 0 for s in loads], marker="o", label=name)
-        ok = [s["sessions_per_hour"] if slo and s["jct_p99_s"] is not None and s["jct_p99_s"] <= slo else 0
-              for s in loads]
-        ax1.plot(xs, ok, marker="x", linestyle=":", color=ax1.lines[-1].get_color())
-        ax2.plot(xs, [s["jct_p99_s"] or 0 for s in loads], marker="o", label=name)
+        runs: dict[float, list[dict[str, Any]]] = {}
+        for point in series["loads"]:
+            runs.setdefault(point["load_level"], []).append(point)
+        xs = sorted(runs)
+        levels.update(xs)
+        rate = [median(p["sessions_per_hour"] or 0 for p in runs[x]) for x in xs]
+        line, = ax1.plot(xs, rate, marker="o", label=name)
+        met = [r if slo and all(p["jct_p99_s"] is not None and p["jct_p99_s"] <= slo for p in runs[x]) else 0
+               for x, r in zip(xs, rate)]
+        ax1.plot(xs, met, marker="x", linestyle=":", color=line.get_color())
+        ax2.plot(xs, [median(p["jct_p99_s"] or 0 for p in runs[x]) for x in xs], marker="o", label=name)
+        if any(len(r) > 1 for r in runs.values()):
+            ax1.scatter([x for x in xs for _ in runs[x]], [p["sessions_per_hour"] or 0 for x in xs for p in runs[x]],
+                        s=10, alpha=0.5, color=line.get_color())
     if slo:
         ax2.axhline(slo, color="red", linestyle="--", label=f"SLO {slo:.1f} s")
-    load_axis = "load (concurrent agents)" if results.get("settings", {}).get("mode") == "closed" else \
-        "load (sessions/s)"
-    ax1.set(xlabel=load_axis, ylabel="sessions / hour", title="throughput (o) and goodput at SLO (x)")
+    closed = results.get("settings", {}).get("mode") == "closed"
+    load_axis = "load (concurrent agents)" if closed else "load (sessions/s)"
+    if closed and levels and min(levels) > 0 and max(levels) >= 4 * min(levels):  # 1, 2, 4, ... agents
+        for ax in (ax1, ax2):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted(levels), [f"{x:g}" for x in sorted(levels)])
+    ax1.set(xlabel=load_axis, ylabel="sessions / hour", title="throughput (o, median of runs) and goodput at SLO (x)")
     ax2.set(xlabel=load_axis, ylabel="p99 JCT (s)", title="p99 JCT vs load")
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)

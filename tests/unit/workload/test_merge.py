@@ -100,3 +100,23 @@ def test_merge_reports_command_writes_the_report_and_goodput_plot(tmp_path, caps
     write_report(tmp_path / "other", other, None)
     with pytest.raises(SystemExit, match="cannot merge: run 2 differs from run 1 in settings"):
         main(["merge-reports", str(tmp_path / "light"), str(tmp_path / "other"), "--out", str(tmp_path / "x")])
+
+
+def test_what_a_run_measured_about_its_servers_stays_with_the_run() -> None:
+    def with_servers(res: dict, commands: dict, recompute: dict) -> dict:
+        res["settings"].update(server_commands=commands, server_startup_s={k: 3.0 for k in commands},
+                               server_recompute_tokens=recompute, server_counters={})
+        return res
+
+    light, heavy = light_and_heavy()
+    light = with_servers(light, {"discard": "serve --a", "predictive": "serve --b"}, {"predictive": 0.0})
+    heavy = with_servers(heavy, {"predictive": "serve --b", "peer": "peer --c"}, {"predictive": 900.0})
+    merged = merge_results([light, heavy], command="m")
+    assert merged["settings"]["server_commands"] == {"discard": "serve --a", "predictive": "serve --b",
+                                                     "peer": "peer --c"}
+    assert [m["server_recompute_tokens"] for m in merged["merged_from"]] == [{"predictive": 0.0},
+                                                                            {"predictive": 900.0}]
+    assert "server_recompute_tokens" not in merged["settings"]
+    other = with_servers(light_and_heavy()[1], {"predictive": "serve --b --other"}, {})
+    with pytest.raises(MergeError, match="server 'predictive' differently"):
+        merge_results([light, other], command="m")
