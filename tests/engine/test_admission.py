@@ -133,6 +133,52 @@ def test_sessions_that_went_in_while_the_door_was_open_stay_admitted_once_it_hol
     eng.close()
 
 
+def burst_then_held(eng: LLMEngine, close_door: bool) -> list[list[int]]:
+    """Five sessions of ~20 blocks go in at once while the door is open (the 64-block budget fits three), then
+    each sends a second turn; with `close_door`, thrashing has come to cost more than waiting by then.
+    Returns every turn's output, in order."""
+    sids = [eng.open_session() for _ in range(5)]
+    outs: dict[str, list[list[int]]] = {sid: [] for sid in sids}
+    session_of: dict[str, str] = {}
+
+    def finish_all(wait_s: float) -> None:
+        deadline = time.monotonic() + 60
+        while eng.has_unfinished() and time.monotonic() < deadline:
+            for out in eng.step():
+                if out.finished:
+                    sid = session_of[out.request_id]
+                    outs[sid].append(out.token_ids)
+                    eng.park(sid, tools=("tool",), expected_wait_s=wait_s)
+            eng.kv.check_integrity()
+            time.sleep(0.002)
+        assert not eng.has_unfinished(), "turns did not finish"
+
+    for sid, p in zip(sids, prompts(6, 5, 300)):
+        session_of[eng.add_request(p, GREEDY, session_id=sid)] = sid
+    finish_all(wait_s=0.01)
+    if close_door:
+        measured(eng, wait_s=1e-6, prefill_s_per_token=1e-3)
+    for sid in sids:
+        session_of[eng.add_request([7, 8, 9], GREEDY, session_id=sid)] = sid
+    door = eng.core.door
+    if close_door:
+        # The three that went in first keep their places; the two past the budget wait at the door.
+        assert door.enforcing and door.num_demoted == 2 and list(door.admitted) == sids[:3]
+        assert [h.session_id for h in door.held] == sids[3:]
+    finish_all(wait_s=0.01)  # the held ones go in once the first three have gone idle past their waits
+    for sid in sids:
+        eng.close_session(sid)
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+    return [o for sid in sids for o in outs[sid]]
+
+
+def test_sessions_past_the_budget_lose_their_place_when_the_door_starts_to_hold(tiny_llama: Path) -> None:
+    free_for_all = burst_then_held(engine(tiny_llama, "off"), close_door=False)
+    eng = engine(tiny_llama, "auto")
+    measured(eng, wait_s=1000.0, prefill_s_per_token=1e-3)  # open: all five go in
+    assert burst_then_held(eng, close_door=True) == free_for_all  # when a turn runs changes, never what it computes
+
+
 def test_reject_mode_refuses_new_sessions_past_the_working_set_with_a_retry_time(tiny_llama: Path) -> None:
     from sessionserve.core.admission import AdmissionFull
 

@@ -14,7 +14,10 @@ and rarely says so); its next turn, if one comes, is a new arrival.
 
 The door pays only where thrashing costs more than waiting: with "auto" admission (the default) it holds
 turns only while recomputing a session's context takes more engine time than an agent's tool wait, as
-measured on this machine (`door_pays`); otherwise every turn goes in, as with admission off.
+measured on this machine (`door_pays`); otherwise every turn goes in, as with admission off. When the door
+starts to hold, the sessions that went in while it did not keep their places in the order they came, as far
+as the budget goes; the rest wait at the door with their next turns (`AdmissionDoor.enforce`): a burst of
+sessions that arrived before anything was measured would otherwise thrash until the last of them ends.
 
 Pure: a frozen policy over a view; no clock (`now_s` comes in), no torch.
 """
@@ -137,6 +140,7 @@ class AdmissionDoor:
         self.held: list[HeldTurn] = []
         self.admitted: dict[str, int] = {}  # admitted session id -> the most blocks its context reached
         self.num_held_total = 0  # turns that waited at the door, since start
+        self.num_demoted = 0  # sessions that went in while the door was open and lost their place when it closed
         self.num_rejected = 0  # new sessions' turns refused at the door (admission_when_full="reject")
         # EMA of the context sessions reached when they left the working set (0: none left yet).
         self.typical_blocks = 0.0
@@ -166,6 +170,23 @@ class AdmissionDoor:
         if session_id not in self.admitted:
             self._members(now_s, running, sessions)
         self.admitted[session_id] = max(self.admitted.get(session_id, 0), self._blocks(num_context_tokens))
+
+    def enforce(self, now_s: float, running: list[Sequence], sessions: SessionManager) -> None:
+        """The door starts to hold ("auto"): the admitted sessions keep their places in the order they went in
+        while their working set fits the budget; the others stop counting as admitted, so each waits at the
+        door with its next turn (a turn running now finishes) and goes in, in the scheduler's order, when
+        there is room. Without this, sessions let in while the door was open would thrash until they end."""
+        self.enforcing = True
+        members = {m.key: m for m in self._members(now_s, running, sessions)}
+        used = 0
+        for sid in list(self.admitted):
+            m = members.get(sid)
+            need = 0 if m is None else max(m.num_blocks, round(self.typical_blocks))
+            if used and used + need > self.policy.budget_blocks:
+                del self.admitted[sid]
+                self.num_demoted += 1
+            else:
+                used += need
 
     def context_tokens(self, arriving_tokens: int) -> float:
         """The context an admitted session holds now, on average (what thrashing makes one recompute); with
@@ -215,8 +236,10 @@ class AdmissionDoor:
                 continue
             self.admitted[sid] = max(peak, m.num_blocks)
             members.append(m)
-        return members + [Member(s.request_id, self._blocks(s.num_tokens), None, None)
-                          for s in running if s.session_id is None]
+        # Running turns outside the admitted sessions hold blocks too: requests without a session, and the
+        # turns in flight of sessions that lost their place (`enforce`).
+        return members + [Member(s.session_id or s.request_id, self._blocks(s.num_tokens), None, None)
+                          for s in running if s.session_id is None or s.session_id not in self.admitted]
 
     def retry_after_s(self, seq: Sequence, session_id: str | None, num_new_tokens: int, now_s: float,
                       running: list[Sequence], sessions: SessionManager | None) -> float | None:

@@ -106,7 +106,7 @@ class EngineCore:
         self.scheduler.check_fits(seq)
         sid = session.session_id if session is not None else None
         num_new = len(new_ids) if session is not None else seq.num_tokens  # what the turn adds to its context
-        self._update_door(seq.num_tokens)
+        self._update_door(seq.num_tokens, seq.arrival_s)
         if self.door is not None and self.door.must_wait(session, seq.arrival_s, self.sessions):
             # At the door: the session does not start the turn yet (its KV stays parked).
             if session is not None and (session.state is SessionState.RUNNING or self.door.is_holding(sid)):
@@ -252,8 +252,9 @@ class EngineCore:
         if self.proposer is not None:
             self._propose()
         if self.door is not None and self.door.held:
-            self._update_door(self.door.held[0].seq.num_tokens)
-            self._let_in(self.clock())
+            now = self.clock()
+            self._update_door(self.door.held[0].seq.num_tokens, now)
+            self._let_in(now)
         plan: SchedulerOutput = self.scheduler.schedule(self.clock(), self._prefill_tokens())
         if plan.is_empty:
             if self.sessions is not None:
@@ -300,15 +301,19 @@ class EngineCore:
             session = self.sessions.get(held.session_id) if self.sessions and held.session_id else None
             self._start(held.seq, session, held.num_new_tokens, now)
 
-    def _update_door(self, arriving_tokens: int) -> None:
+    def _update_door(self, arriving_tokens: int, now: float) -> None:
         """With admission "auto", the door enforces its budget while recomputing an admitted session's
-        context costs more engine time than an agent's typical tool wait (both measured here; `door_pays`)."""
+        context costs more engine time than an agent's typical tool wait (both measured here; `door_pays`).
+        When it starts to, the sessions that went in beyond the budget lose their places (`door.enforce`)."""
         door = self.door
         if door is None or not door.auto or self.sessions is None:
             return
         waits = self.sessions.predictor.overall()
-        door.enforcing = door_pays(self.prefill_s_per_token, door.context_tokens(arriving_tokens),
-                                   waits.p50_s if waits is not None else None)
+        pays = door_pays(self.prefill_s_per_token, door.context_tokens(arriving_tokens),
+                         waits.p50_s if waits is not None else None)
+        if pays and not door.enforcing:
+            door.enforce(now, self.scheduler.running, self.sessions)
+        door.enforcing = pays
 
     def _prefill_tokens(self) -> int | None:
         """The prompt tokens a step may batch with decodes: config max_prefill_step_s at the measured cost per

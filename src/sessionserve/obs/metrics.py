@@ -81,6 +81,7 @@ class Metrics:
                                   "alone and only the ones that raised failed", labels, registry=r)
         self.admission = Gauge("sessionserve_admission", "Session admission by working set: turns waiting at the "
                                "door now, sessions admitted, turns that waited or were refused (429) since start, "
+                               "sessions that lost their place when the door started to hold, "
                                "whether the door enforces its budget now (1: yes)",
                                labels + ["what"], registry=r)
         self.route_steps = Counter("sessionserve_route_steps", "Chat steps of model 'auto' by the model that ran "
@@ -142,6 +143,7 @@ class Metrics:
             self.admission.labels(m, "admitted").set(len(door.admitted))
             self.admission.labels(m, "waited_total").set(door.num_held_total)
             self.admission.labels(m, "rejected_total").set(door.num_rejected)
+            self.admission.labels(m, "demoted_total").set(door.num_demoted)
             self.admission.labels(m, "enforcing").set(int(door.enforcing))
         total = eng.sessions.total_stats()
         self.recompute_tokens.labels(m).set(total.num_recompute_tokens)
