@@ -172,21 +172,18 @@ class AdmissionDoor:
         self.admitted[session_id] = max(self.admitted.get(session_id, 0), self._blocks(num_context_tokens))
 
     def enforce(self, now_s: float, running: list[Sequence], sessions: SessionManager) -> None:
-        """The door starts to hold ("auto"): the admitted sessions keep their places in the order they went in
-        while their working set fits the budget; the others stop counting as admitted, so each waits at the
-        door with its next turn (a turn running now finishes) and goes in, in the scheduler's order, when
+        """The door starts to hold ("auto"): the admitted sessions keep their places in the order they went in,
+        up to the first whose context no longer fits the budget; the others stop counting as admitted, so each
+        waits at the door with its next turn (a turn running now finishes) and goes in, in the scheduler's order, when
         there is room. Without this, sessions let in while the door was open would thrash until they end."""
         self.enforcing = True
-        members = {m.key: m for m in self._members(now_s, running, sessions)}
-        used = 0
-        for sid in list(self.admitted):
-            m = members.get(sid)
-            need = 0 if m is None else max(m.num_blocks, round(self.typical_blocks))
-            if used and used + need > self.policy.budget_blocks:
-                del self.admitted[sid]
-                self.num_demoted += 1
-            else:
-                used += need
+        # The policy's own rule, as if every admitted session arrived anew in the order it went in.
+        in_order = tuple(Candidate(m.key, m.key, m.num_blocks) for m in self._members(now_s, running, sessions)
+                         if m.key in self.admitted)
+        keep = set(self.policy.admit(AdmissionView((), in_order, 0, round(self.typical_blocks))))
+        for sid in [sid for sid in self.admitted if sid not in keep]:
+            del self.admitted[sid]
+            self.num_demoted += 1
 
     def context_tokens(self, arriving_tokens: int) -> float:
         """The context an admitted session holds now, on average (what thrashing makes one recompute); with
