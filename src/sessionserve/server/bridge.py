@@ -25,7 +25,7 @@ from sessionserve.core.session import Session, SessionState
 from sessionserve.core.session_manager import SessionBusyError, SessionMovingError
 from sessionserve.llm_engine import LLMEngine, RequestOutput
 from sessionserve.model.grammar_worker import GrammarBusy
-from sessionserve.obs.cpu_roles import pin_current_thread
+from sessionserve.obs.cpu_roles import pin_current_thread, release_compute_threads
 from sessionserve.types.sampling_params import SamplingParams
 from sessionserve.types.sequence import ParkHint
 
@@ -92,6 +92,9 @@ class AsyncEngine:
         self._draining = False
         self.num_step_errors = 0  # steps that raised out of the engine: every running request failed
         self.num_failed_requests = 0  # requests that failed a step alone (the engine ran the others on)
+        # From now on the engine is stepped on its own thread: the compute threads this one started (loading
+        # the model) go, else they and the engine thread's keep each other from spinning (obs.cpu_roles).
+        release_compute_threads()
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
+from sessionserve.obs.cpu_roles import release_compute_threads
 from sessionserve.types.sampling_params import SamplingParams
 from sessionserve.workload.backend import StepResult
 
@@ -54,6 +55,7 @@ class InprocBackend:
 
     async def start(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        release_compute_threads()  # the engine steps on the pool's thread now (obs.cpu_roles)
         self._wake = asyncio.Event()
         self._stopping = False
         self._task = asyncio.create_task(self._run())

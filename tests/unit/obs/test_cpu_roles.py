@@ -75,3 +75,58 @@ def test_pinned_pool_threads_and_their_processes_stay_on_their_cores() -> None:
     finally:
         pool.shutdown()
     assert pin_current_thread(None) is False and pin_current_thread(frozenset({10_000})) is False
+
+
+_POOLS_SCRIPT = r"""
+import json, os, queue, sys, threading
+import torch
+from sessionserve.obs.cpu_roles import _gnu_openmp, release_compute_threads
+from sessionserve.server.bridge import AsyncEngine
+
+def switches():  # voluntary context switches of every thread in the process
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            total += next(int(l.split()[1]) for l in f if l.startswith("voluntary_ctxt_switches"))
+    return total
+
+def ops(n):  # n parallel regions back to back, as a model step runs them
+    x = torch.ones(1 << 20)
+    before = switches()
+    for _ in range(n):
+        x.mul_(1.0)
+    return switches() - before
+
+torch.set_num_threads(2)
+ops(1)  # the main thread's pool (a model loaded here)
+jobs, done = queue.Queue(), queue.Queue()
+threading.Thread(target=lambda: [done.put(ops(jobs.get())) for _ in range(3)], daemon=True).start()
+jobs.put(1); done.get()  # the stepping thread's pool
+threads = len(os.listdir("/proc/self/task"))
+jobs.put(400); both = done.get()
+if sys.argv[1] == "bridge":  # handing an engine to the server's bridge lets the pool go
+    AsyncEngine(object())  # type: ignore[arg-type]
+    released = _gnu_openmp() is not None
+else:
+    released = release_compute_threads()
+jobs.put(400); alone = done.get()
+print(json.dumps({"released": released, "threads": [threads, len(os.listdir("/proc/self/task"))],
+                  "switches": [both, alone]}))
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2 or not sys.platform.startswith("linux"), reason="needs 2 CPUs, Linux")
+@pytest.mark.parametrize("how", ["direct", "bridge"])
+def test_letting_the_loading_threads_pool_go_lets_the_stepping_threads_spin(how: str) -> None:
+    """Two threads' OpenMP pools on 2 CPUs: the stepping thread's workers sleep after every region;
+    once the loading thread's pool goes (by itself, or as the server's bridge takes the engine), they spin
+    between regions instead of sleeping."""
+    out = subprocess.run([sys.executable, "-c", _POOLS_SCRIPT, how], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    facts = __import__("json").loads(out.stdout)
+    if not facts["released"]:
+        pytest.skip("torch here does not run on GNU OpenMP")
+    (before, after), (both, alone) = facts["threads"], facts["switches"]
+    assert after < before  # the loading thread's worker went
+    assert both >= 200  # 400 regions: the workers slept after most of them
+    assert alone < both / 4
