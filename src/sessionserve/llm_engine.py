@@ -27,6 +27,7 @@ from sessionserve.core.session import Session
 from sessionserve.core.spec import NgramProposer, Proposer, SpecPolicy
 from sessionserve.model.runner import ModelRunner
 from sessionserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from sessionserve.obs.cpu_roles import release_compute_threads
 from sessionserve.obs.native_memory import HeapTrimmer
 from sessionserve.types.kv_mover import Tier
 from sessionserve.types.sampling_params import SamplingParams
@@ -176,7 +177,7 @@ class LLMEngine:
         if sc.disk_kv_bytes:
             spool = sc.spool_dir or tempfile.mkdtemp(prefix="sessionserve-spool-")
             disk = DiskTier(layout, spool, sc.disk_kv_bytes)
-        return ThreadMover(self.runner.kv_caches, host, disk)
+        return ThreadMover(self.runner.kv_caches, host, disk, when_idle=release_compute_threads)
 
     def _make_kv_store(self, config: Config, pool: BlockPool) -> KVStoreClient:
         assert config.session.kv_store_dir is not None

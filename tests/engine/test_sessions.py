@@ -12,6 +12,7 @@ from sessionserve import LLMEngine, SamplingParams
 from sessionserve.config import Config
 from sessionserve.core.residency import ActionKind, ResidencyAction
 from sessionserve.core.session import Residency
+from sessionserve.obs.cpu_roles import release_compute_threads
 from sessionserve.types.kv_mover import Tier
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -98,6 +99,19 @@ def reference(tiny_llama: Path, tmp_path_factory) -> list[list[int]]:
 def test_outputs_identical_whatever_the_residency(tiny_llama: Path, tmp_path: Path, reference, mode: str) -> None:
     eng = make_engine(tiny_llama, tmp_path)
     assert run_session(eng, 11, mode) == reference
+    assert_clean(eng)
+    eng.close()
+
+
+def test_the_mover_lets_its_compute_threads_go_each_time_it_runs_out_of_jobs(tiny_llama: Path,
+                                                                             tmp_path: Path) -> None:
+    """Its copies start OpenMP threads of its own; kept, they would stop the engine thread's from spinning."""
+    eng = make_engine(tiny_llama, tmp_path)
+    assert eng.mover.when_idle is release_compute_threads
+    idle_calls: list[float] = []
+    eng.mover.when_idle = lambda: idle_calls.append(time.monotonic())
+    run_session(eng, 11, "disk-prefetch")  # three turns: an offload and a restore after each
+    assert len(idle_calls) >= 3  # after each move at least (a restore queued behind an offload: after both)
     assert_clean(eng)
     eng.close()
 

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sessionserve.cache.disk_tier import CorruptKVError, DiskHandle, DiskTier
@@ -62,8 +63,12 @@ class MoverStats:
 class ThreadMover:
     """KV mover with one worker thread. All public methods are called from the engine thread."""
 
-    def __init__(self, kv_caches: KVCaches, host: HostTier | None, disk: DiskTier | None) -> None:
+    def __init__(self, kv_caches: KVCaches, host: HostTier | None, disk: DiskTier | None,
+                 when_idle: Callable[[], None] | None = None) -> None:
+        """`when_idle` runs on the worker each time it runs out of jobs (e.g. to let go of the compute
+        threads its copies started, so that they do not keep the engine's from spinning)."""
         self.kv_caches = kv_caches
+        self.when_idle = when_idle
         self.layout = KVLayout.from_kv_caches(kv_caches)
         self.block_bytes = self.layout.block_bytes
         self.host = host
@@ -200,6 +205,8 @@ class ThreadMover:
                     self.stats.num_failures[key] = self.stats.num_failures.get(key, 0) + 1
             self._finish(job, MoveDone(job.session_id, job.kind, job.copy.tier, ok, num_bytes if ok else 0,
                                        seconds, error))
+            if self.when_idle is not None and self._jobs.empty():
+                self.when_idle()
 
     def _finish(self, job: _Job, done: MoveDone) -> None:
         copy = job.copy

@@ -21,8 +21,8 @@ on the main thread and stepped on the engine thread is that case on 2 cores
 (28,000 context switches in 200 steps instead of 500; a step of one
 sequence 20-25% slower). `release_compute_threads` lets the calling thread's
 pool go; the thread that built an engine calls it when it hands the engine
-to the thread that steps it, and a helper thread (the KV mover) after each
-job.
+to the thread that steps it, and a helper thread (the KV mover) each time
+it runs out of jobs.
 """
 
 from __future__ import annotations
