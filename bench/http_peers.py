@@ -49,7 +49,8 @@ from sessionserve.workload.http_backend import HttpBackend  # noqa: E402
 from sessionserve.workload.loader import load_trace  # noqa: E402
 from sessionserve.workload.report import write_report  # noqa: E402
 from sessionserve.workload.results import build_results  # noqa: E402
-from sessionserve.workload.server_process import RunningServer, server_process  # noqa: E402
+from sessionserve.workload.metrics import rate_between, sustained_window  # noqa: E402
+from sessionserve.workload.server_process import RunningServer, sampled, server_process  # noqa: E402
 from sessionserve.workload.sweep import run_http  # noqa: E402
 
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "sessionserve" / "peers" / "vllm-venv"
@@ -223,10 +224,16 @@ def main(argv: list[str] | None = None) -> None:
             before = server_counters(a) if name in OURS else None
             runs[name] = []
             for load in loads:
-                cpu0, t0 = server.cpu_s(), time.monotonic()
-                result = run_http(trace, name, [load], lambda ids=ids: HttpBackend(
-                    f"http://127.0.0.1:{a.port}", None, ids, None, seed=a.seed), seed=a.seed)[name][0]
-                result.extra["server_cores_busy"] = (server.cpu_s() - cpu0) / (time.monotonic() - t0)
+                # The replay's clock starts within milliseconds of the samples'.
+                with sampled(server.cpu_s) as cpu:
+                    result = run_http(trace, name, [load], lambda ids=ids: HttpBackend(
+                        f"http://127.0.0.1:{a.port}", None, ids, None, seed=a.seed), seed=a.seed)[name][0]
+                result.extra["server_cores_busy"] = rate_between(cpu, cpu[0][0], cpu[-1][0])
+                window = sustained_window([s.start_s for s in result.sessions],
+                                          [s.end_s for s in result.sessions], load.concurrency) \
+                    if load.mode == "closed" else None
+                if window is not None and (busy := rate_between(cpu, *window)) is not None:
+                    result.extra["server_cores_busy_sustained"] = busy
                 runs[name].append(result)
             if before is not None:
                 # Counted by the server, so they cover sessions the client cannot name (no ids).

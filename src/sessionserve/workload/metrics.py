@@ -45,13 +45,40 @@ def sustained_rate_per_hour(starts: Sequence[float], ends: Sequence[float | None
     counted). None for no more sessions than agents or a window without a
     completion after its first.
     """
+    window = sustained_window(starts, ends, agents)
+    if window is None:
+        return None
+    first, last_start = window
+    done = [e for e in ends if e is not None and first <= e <= last_start]
+    return 3600 * (len(done) - 1) / (last_start - first)
+
+
+def sustained_window(starts: Sequence[float], ends: Sequence[float | None], agents: int) -> tuple[float, float] | None:
+    """The full-load window of a closed-loop replay (`sustained_rate_per_hour`): its first completion and its last
+    start; None where there is none (no more sessions than agents, fewer than two completions before the last
+    start)."""
     if len(starts) <= agents:
         return None
     last_start = max(starts)
     done = [e for e in ends if e is not None and e <= last_start]
     if len(done) < 2 or last_start <= (first := min(done)):
         return None
-    return 3600 * (len(done) - 1) / (last_start - first)
+    return first, last_start
+
+
+def rate_between(samples: Sequence[tuple[float, float]], start: float, end: float) -> float | None:
+    """The mean rate of a sampled counter over [start, end]: `samples` are (time, value) in time order, read
+    linearly between samples (e.g. a server's CPU seconds: cores busy). None if the samples do not cover it."""
+    if end <= start or not samples or samples[0][0] > start or samples[-1][0] < end:
+        return None
+
+    def at(t: float) -> float:
+        for (t0, v0), (t1, v1) in zip(samples, samples[1:]):
+            if t0 <= t <= t1:
+                return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+        return samples[-1][1]
+
+    return (at(end) - at(start)) / (end - start)
 
 
 def sustained_sessions_per_hour(result: ReplayResult) -> float | None:

@@ -86,8 +86,9 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines += ["", "## Load sweep", "",
               f"| policy | load |{' run |' if merged else ''} completed | sessions/h | sustained sessions/h | "
               "JCT p50 s | JCT p99 s | TTFT p99 s | TPOT p50 s | recompute tokens | cached prompt | "
-              "prefetch hit rate | engine busy | cores busy | peak device KV MiB | peak host KV MiB |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if merged else "")]
+              "prefetch hit rate | engine busy | cores busy | cores busy sustained | peak device KV MiB | "
+              "peak host KV MiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if merged else "")]
     for name, s in results["policies"].items():
         for p in s["loads"]:
             dev = None if p["peak_device_kv_bytes"] is None else p["peak_device_kv_bytes"] / (1 << 20)
@@ -99,7 +100,8 @@ def render_markdown(results: dict[str, Any]) -> str:
                 f"{fmt(p['jct_p50_s'])} | {fmt(p['jct_p99_s'])} | {fmt(p['ttft_p99_s'], 3)} | "
                 f"{fmt(p['tpot_p50_s'], 3)} | {fmt(p['recompute_tokens'])} | "
                 f"{_pct(p['cached_fraction'])} | {_pct(p['prefetch_hit_rate'])} | {_pct(p['cpu_busy_fraction'])} | "
-                f"{fmt(p.get('server_cores_busy'), 2)} | {fmt(dev, 1)} | {fmt(host, 1)} |")
+                f"{fmt(p.get('server_cores_busy'), 2)} | {fmt(p.get('server_cores_busy_sustained'), 2)} | "
+                f"{fmt(dev, 1)} | {fmt(host, 1)} |")
     errors = [(n, p["load"], p["first_error"]) for n, s in results["policies"].items() for p in s["loads"]
               if p["first_error"]]
     if errors:
@@ -122,7 +124,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         "- Recompute tokens: prompt tokens prefilled again that the session had computed before (server count).",
         "- Prefetch hit rate: resumed steps whose KV was already back on device / all resumes from off device.",
         "- Engine busy: wall time the engine spent in steps with work / run time.",
-        "- Cores busy (over HTTP): the server process group's CPU seconds (/proc) / the load point's wall time.",
+        "- Cores busy (over HTTP): the server process group's CPU seconds (/proc) / the load point's wall time; "
+        "sustained: over the window of sustained sessions/h only (sampled each second).",
         "- Sessions/h: completed sessions / makespan (goodput uses this). Sustained sessions/h (closed loop): "
         "sessions completed between the first completion and the last session's start / that time: the "
         "rate while every agent has a session, without the drain at the end of a finite replay.",

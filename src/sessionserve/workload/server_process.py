@@ -8,8 +8,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,30 @@ class RunningServer:
 
     def cpu_s(self) -> float:
         return group_cpu_s(self.pid)
+
+
+@contextlib.contextmanager
+def sampled(read: Callable[[], float], interval_s: float = 1.0) -> Iterator[list[tuple[float, float]]]:
+    """Read a counter (a server's `cpu_s`) every `interval_s` on a thread while the block runs: the list it yields
+    fills with (seconds since the block began, value), first and last reads included (`metrics.rate_between`)."""
+    samples: list[tuple[float, float]] = []
+    t0 = time.monotonic()
+    stop = threading.Event()
+
+    def loop() -> None:
+        while True:
+            samples.append((time.monotonic() - t0, read()))
+            if stop.wait(interval_s):
+                return
+
+    thread = threading.Thread(target=loop, name="sampler", daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
+        samples.append((time.monotonic() - t0, read()))
 
 
 @contextlib.contextmanager

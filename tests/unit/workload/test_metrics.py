@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from sessionserve.workload.backend import StepResult
-from sessionserve.workload.metrics import (LoadPoint, default_slo_s, goodput_at_slo, percentile, summarize,
-                                           sustained_rate_per_hour)
+from sessionserve.workload.metrics import (LoadPoint, default_slo_s, goodput_at_slo, percentile, rate_between,
+                                           summarize, sustained_rate_per_hour, sustained_window)
 from sessionserve.workload.replay import LoadSpec, ReplayResult, SessionRecord, StepRecord
 from sessionserve.workload.report import render_markdown
 from sessionserve.workload.results import build_results
@@ -68,6 +68,8 @@ def test_sustained_rate_counts_only_the_full_load_window() -> None:
     assert sustained_rate_per_hour(starts, ends, agents=2) == pytest.approx(3600 * 2 / 3)
     assert sustained_rate_per_hour(starts[:2], ends[:2], agents=2) is None  # every session started at once
     assert sustained_rate_per_hour([0.0, 0.0, 2.0], [2.0, 3.0, 4.0], agents=2) is None  # the window is one instant
+    assert sustained_window(starts, ends, agents=2) == (2.0, 5.0)
+    assert sustained_window(starts[:2], ends[:2], agents=2) is None
     closed = run([1.0, 2.0, 3.0, 4.0], recompute=0, load=2)
     for rec, (a, b) in zip(closed.sessions, [(0, 1), (0, 2), (1, 4), (2, 3)]):
         rec.arrival_s = rec.start_s = float(a)
@@ -89,3 +91,14 @@ def test_results_ratios_to_baseline_and_report_states_scales() -> None:
     assert res["reference_load"] == "2 agents"
     md = render_markdown(res)
     assert "token counts / 128, times / 10" in md and "from a test" in md and "sessionserve bench" in md
+
+
+def test_a_sampled_counters_rate_is_read_between_samples() -> None:
+    # CPU seconds read at 0, 1, 3 s: 2 cores busy for the first second, 0.5 for the next two.
+    samples = [(0.0, 10.0), (1.0, 12.0), (3.0, 13.0)]
+    assert rate_between(samples, 0.0, 1.0) == pytest.approx(2.0)
+    assert rate_between(samples, 0.5, 2.0) == pytest.approx((12.5 - 11.0) / 1.5)  # read linearly inside
+    assert rate_between(samples, 0.0, 3.0) == pytest.approx(1.0)
+    assert rate_between(samples, 0.0, 4.0) is None  # past the last sample
+    assert rate_between(samples, 2.0, 2.0) is None
+    assert rate_between([], 0.0, 1.0) is None
