@@ -78,6 +78,43 @@ def test_a_returning_turn_of_an_admitted_session_does_not_wait(tiny_llama: Path)
     assert first
 
 
+def test_an_idle_engine_lends_a_turn_to_a_waiting_session_without_giving_it_a_place(tiny_llama: Path) -> None:
+    def run(eng: LLMEngine, sid: str, token_ids: list[int]) -> tuple[list[int], bool]:
+        rid = eng.add_request(token_ids, GREEDY, session_id=sid)
+        held = eng.core.door is not None and eng.core.door.is_holding(sid)
+        out: list[int] = []
+        while eng.has_unfinished():
+            out += [t for o in eng.step() if o.request_id == rid and o.finished for t in o.token_ids]
+            eng.kv.check_integrity()
+        eng.park(sid, tools=("tool",), expected_wait_s=10.0)  # back within 30 s: keeps a place if it has one
+        return out, held
+
+    firsts, nexts = prompts(7, 2, 300), prompts(8, 2, 20)  # ~20 blocks each, 64 in the device KV
+    outputs: dict[str, list[list[int]]] = {}
+    for admission in ("off", "working-set"):
+        eng = engine(tiny_llama, admission)
+        door = eng.core.door
+        if door is not None:
+            door.typical_blocks = 40  # as if sessions that left had grown to 40 blocks: each reserves that
+        a, b = eng.open_session(), eng.open_session()
+        outputs[admission] = [run(eng, a, firsts[0])[0]]
+        out, held = run(eng, b, firsts[1])  # 40 + 40 > 64: b waits for a place, but nothing runs
+        outputs[admission].append(out)
+        if door is not None:
+            assert held and door.num_lent == 1 and list(door.admitted) == [a]  # it ran on loan, placeless
+        out, held = run(eng, b, nexts[1])
+        outputs[admission].append(out)
+        if door is not None:
+            assert held and door.num_lent == 2 and list(door.admitted) == [a]  # at the door again, lent again
+            assert eng.core.sessions.get(b).stats.num_recompute_tokens == 0  # its KV stayed: nothing recomputed
+        outputs[admission].append(run(eng, a, nexts[0])[0])  # a's place held: in at once
+        for sid in (a, b):
+            eng.close_session(sid)
+        assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+        eng.close()
+    assert outputs["working-set"] == outputs["off"]  # when a turn runs changes, never what it computes
+
+
 def measured(eng: LLMEngine, wait_s: float, prefill_s_per_token: float) -> None:
     """Set what "auto" admission weighs: the agents' tool waits and the cost of a recomputed token."""
     for _ in range(1100):  # more than the predictor's window of all waits: these set its median

@@ -12,6 +12,13 @@ sessions run at full speed. A session stops counting once it has been idle
 well past its expected tool wait (an agent that finished sends no more turns
 and rarely says so); its next turn, if one comes, is a new arrival.
 
+The admitted sessions' tool waits often overlap: then nothing runs while turns
+wait at the door. Such an idle engine lends its time: the first waiting turn
+runs on loan if its context fits the KV blocks nobody holds (`lend`). It takes
+no place in the working set (its session's next turn waits at the door again,
+first in line), so the admitted sessions keep their memory, and the cores that
+would idle do work.
+
 The door pays only where thrashing costs more than waiting: with "auto" admission (the default) it holds
 turns only while recomputing a session's context takes more engine time than an agent's tool wait, as
 measured on this machine (`door_pays`); otherwise every turn goes in, as with admission off. When the door
@@ -66,6 +73,8 @@ class AdmissionView(NamedTuple):
     # The context a session reaches before it leaves the working set, as measured on the sessions that
     # left it (0: none yet). A session admitted small grows to about that: it is reserved from the start.
     typical_blocks: int = 0
+    # KV blocks nobody holds now (free or only cached), where the engine has nothing to run; 0 otherwise.
+    idle_free_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,15 @@ class WorkingSetAdmission:
             admitted.append(c.request_id)
             used += need
         return tuple(admitted)
+
+    def lend(self, view: AdmissionView) -> str | None:
+        """The candidate to run one turn on loan while the engine idles (`view.idle_free_blocks`): the first,
+        if nothing runs and its context fits the blocks nobody holds (its own size now, not what it may grow
+        to: the loan is for this turn). Ask only when `admit` lets no one in."""
+        if view.num_running or not view.candidates or not view.idle_free_blocks:
+            return None
+        first = view.candidates[0]
+        return first.request_id if first.num_blocks <= view.idle_free_blocks else None
 
 
 def door_pays(recompute_s_per_token: float | None, context_tokens: float, wait_s: float | None) -> bool:
@@ -142,6 +160,7 @@ class AdmissionDoor:
         self.num_held_total = 0  # turns that waited at the door, since start
         self.num_demoted = 0  # sessions that went in while the door was open and lost their place when it closed
         self.num_rejected = 0  # new sessions' turns refused at the door (admission_when_full="reject")
+        self.num_lent = 0  # turns let in on loan while the engine had nothing to run (`WorkingSetAdmission.lend`)
         # EMA of the context sessions reached when they left the working set (0: none left yet).
         self.typical_blocks = 0.0
 
@@ -255,22 +274,31 @@ class AdmissionDoor:
         return max(1.0, min(left)) if left else 30.0
 
     def release(self, now_s: float, running: list[Sequence], sessions: SessionManager | None,
-                order: Callable[[Sequence], object]) -> list[HeldTurn]:
-        """The held turns the policy lets in now, in the scheduler's `order`; the engine starts them."""
+                order: Callable[[Sequence], object], idle_free_blocks: int = 0) -> list[HeldTurn]:
+        """The held turns the policy lets in now, in the scheduler's `order`; the engine starts them.
+        `idle_free_blocks`: the KV blocks nobody holds, when the engine has nothing to run (0: it has); then,
+        if the policy admits no one, the first turn may go in on loan (`WorkingSetAdmission.lend`)."""
         if not self.held:
             return []
         members = self._members(now_s, running, sessions)
         self.held.sort(key=lambda h: order(h.seq))
         candidates = tuple(Candidate(h.seq.request_id, h.session_id or h.seq.request_id,
                                      self._blocks(h.num_context_tokens(sessions))) for h in self.held)
-        let_in = set(self.policy.admit(AdmissionView(tuple(members), candidates, len(running),
-                                                     round(self.typical_blocks)))) \
-            if self.enforcing else {c.request_id for c in candidates}
+        lent: str | None = None
+        if self.enforcing:
+            view = AdmissionView(tuple(members), candidates, len(running), round(self.typical_blocks),
+                                 idle_free_blocks)
+            let_in = set(self.policy.admit(view))
+            if not let_in and (lent := self.policy.lend(view)) is not None:
+                let_in = {lent}
+                self.num_lent += 1
+        else:
+            let_in = {c.request_id for c in candidates}
         out = [h for h in self.held if h.seq.request_id in let_in]
         self.held = [h for h in self.held if h.seq.request_id not in let_in]
         for h in out:
             h.seq.is_held = False
-            if h.session_id is not None:
+            if h.session_id is not None and h.seq.request_id != lent:
                 self.admitted[h.session_id] = self._blocks(h.num_context_tokens(sessions))
         return out
 

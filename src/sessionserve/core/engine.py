@@ -297,7 +297,9 @@ class EngineCore:
     def _let_in(self, now: float) -> None:
         """Start the turns the admission door lets in now."""
         assert self.door is not None
-        for held in self.door.release(now, self.scheduler.running, self.sessions, self.scheduler.order(now)):
+        idle_free = self.kv.num_free_blocks if not self.scheduler.num_unfinished else 0
+        for held in self.door.release(now, self.scheduler.running, self.sessions, self.scheduler.order(now),
+                                      idle_free):
             session = self.sessions.get(held.session_id) if self.sessions and held.session_id else None
             self._start(held.seq, session, held.num_new_tokens, now)
 

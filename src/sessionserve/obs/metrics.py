@@ -144,6 +144,7 @@ class Metrics:
             self.admission.labels(m, "waited_total").set(door.num_held_total)
             self.admission.labels(m, "rejected_total").set(door.num_rejected)
             self.admission.labels(m, "demoted_total").set(door.num_demoted)
+            self.admission.labels(m, "lent_total").set(door.num_lent)
             self.admission.labels(m, "enforcing").set(int(door.enforcing))
         total = eng.sessions.total_stats()
         self.recompute_tokens.labels(m).set(total.num_recompute_tokens)
