@@ -81,8 +81,8 @@ class Metrics:
                                   "alone and only the ones that raised failed", labels, registry=r)
         self.admission = Gauge("sessionserve_admission", "Session admission by working set: turns waiting at the "
                                "door now, sessions admitted, turns that waited or were refused (429) since start, "
-                               "sessions that lost their place when the door started to hold, "
-                               "whether the door enforces its budget now (1: yes)",
+                               "sessions that lost their place when the door started to hold, turns run on loan "
+                               "while the engine idled, whether the door enforces its budget now (1: yes)",
                                labels + ["what"], registry=r)
         self.route_steps = Counter("sessionserve_route_steps", "Chat steps of model 'auto' by the model that ran "
                                    "them and why", ["routed_to", "reason"], registry=r)
