@@ -16,7 +16,7 @@ The admitted sessions' tool waits often overlap: then nothing runs while turns
 wait at the door. Such an idle engine lends its time: the first waiting turn
 runs on loan if its context fits the KV blocks nobody holds (`lend`). It takes
 no place in the working set (its session's next turn waits at the door again,
-first in line), so the admitted sessions keep their memory, and the cores that
+in its place in line), so the admitted sessions keep their memory, and the cores that
 would idle do work.
 
 The door pays only where thrashing costs more than waiting: with "auto" admission (the default) it holds
