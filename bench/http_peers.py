@@ -49,7 +49,7 @@ from sessionserve.workload.http_backend import HttpBackend  # noqa: E402
 from sessionserve.workload.loader import load_trace  # noqa: E402
 from sessionserve.workload.report import write_report  # noqa: E402
 from sessionserve.workload.results import build_results  # noqa: E402
-from sessionserve.workload.metrics import rate_between, sustained_window  # noqa: E402
+from sessionserve.workload.metrics import rate_between, sustained_window_of  # noqa: E402
 from sessionserve.workload.server_process import RunningServer, sampled, server_process  # noqa: E402
 from sessionserve.workload.sweep import run_http  # noqa: E402
 
@@ -229,9 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                     result = run_http(trace, name, [load], lambda ids=ids: HttpBackend(
                         f"http://127.0.0.1:{a.port}", None, ids, None, seed=a.seed), seed=a.seed)[name][0]
                 result.extra["server_cores_busy"] = rate_between(cpu, cpu[0][0], cpu[-1][0])
-                window = sustained_window([s.start_s for s in result.sessions],
-                                          [s.end_s for s in result.sessions], load.concurrency) \
-                    if load.mode == "closed" else None
+                window = sustained_window_of(result)
                 if window is not None and (busy := rate_between(cpu, *window)) is not None:
                     result.extra["server_cores_busy_sustained"] = busy
                 runs[name].append(result)

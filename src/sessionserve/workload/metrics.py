@@ -49,8 +49,7 @@ def sustained_rate_per_hour(starts: Sequence[float], ends: Sequence[float | None
     if window is None:
         return None
     first, last_start = window
-    done = [e for e in ends if e is not None and first <= e <= last_start]
-    return 3600 * (len(done) - 1) / (last_start - first)
+    return 3600 * (sum(1 for e in ends if e is not None and e <= last_start) - 1) / (last_start - first)
 
 
 def sustained_window(starts: Sequence[float], ends: Sequence[float | None], agents: int) -> tuple[float, float] | None:
@@ -85,8 +84,18 @@ def sustained_sessions_per_hour(result: ReplayResult) -> float | None:
     """`sustained_rate_per_hour` of a closed-loop replay; None for open loop."""
     if result.load.mode != "closed":
         return None
-    return sustained_rate_per_hour([s.start_s for s in result.sessions], [s.end_s for s in result.sessions],
-                                   result.load.concurrency)
+    return sustained_rate_per_hour(*_starts_ends(result), result.load.concurrency)
+
+
+def sustained_window_of(result: ReplayResult) -> tuple[float, float] | None:
+    """`sustained_window` of a closed-loop replay; None for open loop."""
+    if result.load.mode != "closed":
+        return None
+    return sustained_window(*_starts_ends(result), result.load.concurrency)
+
+
+def _starts_ends(result: ReplayResult) -> tuple[list[float], list[float | None]]:
+    return [s.start_s for s in result.sessions], [s.end_s for s in result.sessions]
 
 
 def summarize(result: ReplayResult) -> dict[str, float | int | str | None]:

@@ -7,7 +7,8 @@ import pytest
 
 from sessionserve.workload.backend import StepResult
 from sessionserve.workload.metrics import (LoadPoint, default_slo_s, goodput_at_slo, percentile, rate_between,
-                                           summarize, sustained_rate_per_hour, sustained_window)
+                                           summarize, sustained_rate_per_hour, sustained_window,
+                                           sustained_window_of)
 from sessionserve.workload.replay import LoadSpec, ReplayResult, SessionRecord, StepRecord
 from sessionserve.workload.report import render_markdown
 from sessionserve.workload.results import build_results
@@ -75,6 +76,7 @@ def test_sustained_rate_counts_only_the_full_load_window() -> None:
         rec.arrival_s = rec.start_s = float(a)
         rec.end_s = float(b)
     assert summarize(closed)["sessions_per_hour_sustained"] == pytest.approx(3600.0)  # 1 and 2 inside (1, 2]
+    assert sustained_window_of(closed) == (1.0, 2.0)
     assert sustained_rate_per_hour([0.0] * 3, [1.0] * 3, agents=2) is None
 
 
