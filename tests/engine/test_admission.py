@@ -102,6 +102,10 @@ def test_an_idle_engine_lends_a_turn_to_a_waiting_session_without_giving_it_a_pl
         outputs[admission].append(out)
         if door is not None:
             assert held and door.num_lent == 1 and list(door.admitted) == [a]  # it ran on loan, placeless
+            # The residency policy sees who has a place: b's KV is the first to leave when memory is short.
+            assert set(eng.core.sessions.view(0.0, 0).members or ()) == {a}
+        else:
+            assert eng.core.sessions.view(0.0, 0).members is None  # no door: every session alike
         out, held = run(eng, b, nexts[1])
         outputs[admission].append(out)
         if door is not None:
@@ -127,6 +131,7 @@ def test_auto_admission_holds_only_where_a_recompute_costs_more_than_a_tool_wait
     # Recomputing a ~300-token context is cheaper than the agents' waits: every turn goes in, as with "off".
     eng = engine(tiny_llama, "auto")
     assert eng.core.door is not None and not eng.core.door.enforcing  # nothing measured yet: it does not hold
+    assert eng.core.sessions.members is None  # nor does the residency policy favour anyone
     measured(eng, wait_s=1000.0, prefill_s_per_token=1e-3)
     outs, _ = run_rounds(eng, 6, 2)
     assert outs == free_for_all and eng.core.door.num_held_total == 0 and not eng.core.door.enforcing
@@ -136,6 +141,7 @@ def test_auto_admission_holds_only_where_a_recompute_costs_more_than_a_tool_wait
     outs, most_running = run_rounds(eng, 6, 2)
     door = eng.core.door
     assert outs == free_for_all and door.enforcing and door.num_held_total >= 3 and most_running <= 4
+    assert eng.core.sessions.members == door.admitted.keys()
     assert not door.held and eng.kv.num_free_blocks == eng.kv.pool.num_blocks
 
 

@@ -14,10 +14,11 @@ and rarely says so); its next turn, if one comes, is a new arrival.
 
 The admitted sessions' tool waits often overlap: then nothing runs while turns
 wait at the door. Such an idle engine lends its time: the first waiting turn
-runs on loan if its context fits the KV blocks nobody holds (`lend`). It takes
+whose context fits the KV blocks nobody holds runs on loan (`lend`). It takes
 no place in the working set (its session's next turn waits at the door again,
-in its place in line), so the admitted sessions keep their memory, and the cores that
-would idle do work.
+in its place in line), and its session's KV is the first to leave when memory
+is short (the residency view's `members`), so the admitted sessions keep their
+memory, and the cores that would idle do work.
 
 The door pays only where thrashing costs more than waiting: with "auto" admission (the default) it holds
 turns only while recomputing a session's context takes more engine time than an agent's tool wait, as
@@ -114,12 +115,12 @@ class WorkingSetAdmission:
 
     def lend(self, view: AdmissionView) -> str | None:
         """The candidate to run one turn on loan while the engine idles (`view.idle_free_blocks`): the first,
-        if nothing runs and its context fits the blocks nobody holds (its own size now, not what it may grow
-        to: the loan is for this turn). Ask only when `admit` lets no one in."""
-        if view.num_running or not view.candidates or not view.idle_free_blocks:
+        in order, whose context fits the blocks nobody holds (its own size now, not what it may grow to: the
+        loan is for this turn), if nothing runs. A loan takes no place, so one behind a larger turn may have
+        it: the larger keeps its place for admission. Ask only when `admit` lets no one in."""
+        if view.num_running or not view.idle_free_blocks:
             return None
-        first = view.candidates[0]
-        return first.request_id if first.num_blocks <= view.idle_free_blocks else None
+        return next((c.request_id for c in view.candidates if c.num_blocks <= view.idle_free_blocks), None)
 
 
 def door_pays(recompute_s_per_token: float | None, context_tokens: float, wait_s: float | None) -> bool:
@@ -277,7 +278,7 @@ class AdmissionDoor:
                 order: Callable[[Sequence], object], idle_free_blocks: int = 0) -> list[HeldTurn]:
         """The held turns the policy lets in now, in the scheduler's `order`; the engine starts them.
         `idle_free_blocks`: the KV blocks nobody holds, when the engine has nothing to run (0: it has); then,
-        if the policy admits no one, the first turn may go in on loan (`WorkingSetAdmission.lend`)."""
+        if the policy admits no one, one turn may go in on loan (`WorkingSetAdmission.lend`)."""
         if not self.held:
             return []
         members = self._members(now_s, running, sessions)

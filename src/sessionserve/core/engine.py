@@ -71,6 +71,7 @@ class EngineCore:
                                                       scheduler_config.admission_hold_s), kv.block_size,
                                   auto=scheduler_config.admission == "auto") \
             if scheduler_config.admission != "off" else None
+        self._share_members()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     salt: bytes = b"", session_id: str | None = None, priority: str | None = None,
@@ -313,9 +314,18 @@ class EngineCore:
         waits = self.sessions.predictor.overall()
         pays = door_pays(self.prefill_s_per_token, door.context_tokens(arriving_tokens),
                          waits.p50_s if waits is not None else None)
-        if pays and not door.enforcing:
-            door.enforce(now, self.scheduler.running, self.sessions)
-        door.enforcing = pays
+        if pays != door.enforcing:
+            if pays:
+                door.enforce(now, self.scheduler.running, self.sessions)
+            door.enforcing = pays
+            self._share_members()
+
+    def _share_members(self) -> None:
+        """Show the residency policy who has a place at the door while it holds turns: the others' KV leaves
+        first when memory is short (a loaned turn's session, one whose turn waits to go in)."""
+        if self.sessions is not None:
+            door = self.door
+            self.sessions.members = door.admitted.keys() if door is not None and door.enforcing else None
 
     def _prefill_tokens(self) -> int | None:
         """The prompt tokens a step may batch with decodes: config max_prefill_step_s at the measured cost per

@@ -2,8 +2,9 @@
 
 Keep short predicted waits in place; on a device more than half used, move
 longer ones to host (or disk, by size and room) as soon as they park; under
-pressure, the farthest predicted next use first; prefetch so the KV is back
-just before the predicted resume. Pure: a function of the `ResidencyView`.
+pressure, the sessions outside the admission door's working set first, then
+the farthest predicted next use; prefetch so the KV is back just before the
+predicted resume. Pure: a function of the `ResidencyView`.
 
 `PredictivePolicy.decide` is the policy written plainly, from the view alone:
 read it to know what the policy decides. With `indexed=True` (the simulator's
@@ -28,6 +29,7 @@ from sessionserve.core.residency_view import (
     ParkedSession,
     ResidencyAction,
     ResidencyView,
+    outside,
     pressure,
 )
 from sessionserve.core.session import Residency
@@ -244,8 +246,9 @@ class PredictivePolicy:
         few host round trips of its size): moving it out and back costs less than holding it. One off
         device is *due* when its expected remaining wait is below `lead_s` (a few restore times). Under
         pressure (queued work lacks blocks, or free blocks are below the watermark) sessions on device
-        leave farthest next use first, to host when the round trip beats the wait, else to disk when a
-        restore beats recomputing, else host if it fits, else they are dropped; without pressure only
+        leave, those outside the admission door's working set first, then farthest next use first, to host
+        when the round trip beats the wait, else to disk when a restore beats recomputing, else host if it
+        fits, else they are dropped; without pressure only
         long ones leave, to host, and only on a device more than `demote_above_usage` used. Then due
         sessions come back, soonest first, into the room above the watermark."""
         if self.indexed:
@@ -254,11 +257,13 @@ class PredictivePolicy:
         reserve, need = self._reserve_and_need(view)
         on_device = [(i, s) for i, s in enumerate(view.parked) if s.residency is Residency.DEVICE]
         if need > 0:
-            # Sessions whose blocks all stay (others read them) last; then farthest next use; then view order.
-            order = sorted(on_device, key=lambda x: (x[1].num_freed_blocks <= 0, -self.remaining_s(x[1], now), x[0]))
+            # Sessions whose blocks all stay (others read them) last; those outside the admission door's
+            # working set first (their next turn waits at the door); then farthest next use; then view order.
+            order = sorted(on_device, key=lambda x: (x[1].num_freed_blocks <= 0, not outside(view, x[1]),
+                                                     -self.remaining_s(x[1], now), x[0]))
         elif self._demotes(view):
             order = sorted(((i, s) for i, s in on_device if s.num_freed_blocks > 0 and self.is_long(s, now, c)),
-                           key=lambda x: (-self.remaining_s(x[1], now), x[0]))
+                           key=lambda x: (not outside(view, x[1]), -self.remaining_s(x[1], now), x[0]))
         else:
             order = []
         actions: list[ResidencyAction] = []
@@ -306,14 +311,14 @@ class PredictivePolicy:
         # Without pressure only long waits act (ties in view order), and only on a device more than
         # `demote_above_usage` used: the index holds them apart.
         if need > 0:
-            candidates = [(s.num_freed_blocks <= 0, -self.remaining_s(s, now), i, s, memo[s.session_id].above)
-                          for i, s in enumerate(parked) if s.residency is Residency.DEVICE]
+            candidates = [(s.num_freed_blocks <= 0, not outside(view, s), -self.remaining_s(s, now), i, s,
+                           memo[s.session_id].above) for i, s in enumerate(parked) if s.residency is Residency.DEVICE]
         elif self._demotes(view):
-            candidates = [(False, -self.remaining_s(s, now), parked.index(s), s, True)
+            candidates = [(False, not outside(view, s), -self.remaining_s(s, now), parked.index(s), s, True)
                           for s in (memo[sid].entry for sid in index.long)]
         else:
             candidates = []
-        for _, neg_remaining, _, s, is_long in sorted(candidates):
+        for _, _, neg_remaining, _, s, is_long in sorted(candidates):
             if s.num_freed_blocks <= 0 and need <= 0:
                 continue
             if need <= 0 and not is_long:

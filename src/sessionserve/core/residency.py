@@ -35,6 +35,7 @@ from sessionserve.core.residency_view import (
     ResidencyPolicy,
     ResidencyView,
     ViewDelta,
+    outside,
     pressure,
 )
 from sessionserve.core.session import Residency
@@ -50,11 +51,12 @@ def _first_after(now_s: float, times: list[float]) -> float | None:
     return min(later) if later else None
 
 
-def _drop_until(candidates: list[ParkedSession], need: int) -> list[ResidencyAction]:
-    """Drop candidates in order until `need` blocks are freed. Sessions all of whose blocks others read go
-    last: dropping one alone frees nothing (only a whole group of parked sessions sharing blocks does)."""
+def _drop_until(candidates: list[ParkedSession], need: int, view: ResidencyView) -> list[ResidencyAction]:
+    """Drop candidates in order until `need` blocks are freed, those outside the admission door's working set
+    first. Sessions all of whose blocks others read go last: dropping one alone frees nothing (only a whole
+    group of parked sessions sharing blocks does)."""
     actions = []
-    for s in sorted(candidates, key=lambda s: s.num_freed_blocks <= 0):
+    for s in sorted(candidates, key=lambda s: (s.num_freed_blocks <= 0, not outside(view, s))):
         if need <= 0:
             break
         actions.append(ResidencyAction(ActionKind.DROP, s.session_id))
@@ -84,7 +86,7 @@ class KeepPolicy:
 
     def decide(self, view: ResidencyView) -> tuple[ResidencyAction, ...]:
         oldest_first = sorted(_on_device(view), key=lambda s: s.parked_s)
-        return tuple(_drop_until(oldest_first, pressure(view)))
+        return tuple(_drop_until(oldest_first, pressure(view), view))
 
     def next_decision_s(self, view: ResidencyView) -> float | None:
         return None
@@ -109,7 +111,7 @@ class TTLPolicy:
         freed = sum(s.num_freed_blocks for s in expired)
         rest = sorted((s for s in on_device if s not in expired),
                       key=lambda s: s.parked_s + self.ttl_s(s))  # closest to expiry first
-        actions += _drop_until(rest, pressure(view) - freed)
+        actions += _drop_until(rest, pressure(view) - freed, view)
         return tuple(actions)
 
     def next_decision_s(self, view: ResidencyView) -> float | None:
@@ -155,7 +157,7 @@ class LeastWastePolicy:
                 kept.append(s)
         # Under pressure, the kept sessions that waste least by dropping go first.
         kept.sort(key=lambda s: self.waste(s, view)["drop"])
-        actions += _drop_until(kept, need)
+        actions += _drop_until(kept, need, view)
         return tuple(actions)
 
     def next_decision_s(self, view: ResidencyView) -> float | None:

@@ -6,6 +6,7 @@ manager that builds the views and carries out the actions.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from enum import Enum
 from typing import NamedTuple, Protocol
 
@@ -53,6 +54,9 @@ class ResidencyView(NamedTuple):
     # earlier view's, as (that view's `parked`, entries new or changed since, ids of sessions gone since).
     # None: not known (a policy compares the two itself).
     delta: ViewDelta | None = None
+    # The sessions in the admission door's working set, while a door holds turns (None: none does). The
+    # others' next turns wait at the door (or run only on loan): under pressure their KV leaves first.
+    members: AbstractSet[str] | None = None
 
 
 class ViewDelta(NamedTuple):
@@ -87,6 +91,11 @@ class ResidencyPolicy(Protocol):
         then while nothing else changes."""
         ...
 
+
+
+def outside(view: ResidencyView, s: ParkedSession) -> bool:
+    """Whether `s` is outside the admission door's working set: its KV is the first to leave under pressure."""
+    return view.members is not None and s.session_id not in view.members
 
 
 def pressure(view: ResidencyView) -> int:

@@ -31,6 +31,7 @@ blocks to `SessionBlocks(id, closed=True)`, freed when the restore ends.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import fields
 
 from sessionserve.cache.kv_manager import KVCacheManager
@@ -98,6 +99,9 @@ class SessionManager:
         # Sessions that do not expire however long they are idle: a turn of theirs waits to start (at the
         # admission door); their KV stays under the residency policy meanwhile.
         self.pinned: set[str] = set()
+        # The sessions in the admission door's working set while the door holds turns (None: it does not, or
+        # there is none): the residency view's `members`. The engine shares the door's own (a live view).
+        self.members: AbstractSet[str] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -347,7 +351,7 @@ class SessionManager:
             num_free_device_blocks=self.kv.num_free_blocks, num_wanted_device_blocks=wanted,
             num_free_host_blocks=mover.num_free_blocks(Tier.HOST) if mover else 0,
             num_free_disk_blocks=mover.num_free_blocks(Tier.DISK) if mover else 0, costs=self.costs,
-            delta=self._entries.delta)
+            delta=self._entries.delta, members=self.members)
 
     @property
     def num_blocked(self) -> int:

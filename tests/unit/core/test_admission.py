@@ -41,7 +41,9 @@ def test_an_idle_engine_lends_its_time_to_the_first_waiting_turn_that_fits_the_f
     idle = AdmissionView((parked,), cands, 0, typical_blocks=60, idle_free_blocks=45)
     assert POLICY.admit(idle) == ()  # 60 + 60 > 100: b waits for the working set
     assert POLICY.lend(idle) == "r1"  # but nothing runs and its 40 blocks are free now
-    assert POLICY.lend(idle._replace(idle_free_blocks=39)) is None  # it does not fit; c does not overtake it
+    # b's 40 blocks do not fit: c's 10 go in on loan before it (b keeps its place for admission)
+    assert POLICY.lend(idle._replace(idle_free_blocks=39)) == "r2"
+    assert POLICY.lend(idle._replace(idle_free_blocks=9)) is None  # neither fits
     assert POLICY.lend(idle._replace(num_running=1)) is None  # something runs: no loan
     assert POLICY.lend(idle._replace(idle_free_blocks=0)) is None  # the engine has work (or no block is free)
     assert POLICY.lend(idle._replace(candidates=())) is None

@@ -157,6 +157,21 @@ def test_under_pressure_sessions_whose_blocks_others_read_go_last(name: str) -> 
     assert not any(sid.startswith("parent") for sid in moved), acts
 
 
+# Per policy, waits that make it take the admitted sessions first when it does not know the door's working set.
+@pytest.mark.parametrize("name,p50_in,p50_out", [("keep", 100.0, 1.0), ("ttl", 1.0, 100.0),
+                                                 ("least-waste", 1.0, 1.0), ("predictive", 100.0, 1.0)])
+def test_under_pressure_sessions_outside_the_admission_doors_working_set_go_first(name: str, p50_in: float,
+                                                                                   p50_out: float) -> None:
+    """A session whose next turn waits at the door (or ran on loan) comes back later than its wait says: the
+    admitted sessions keep their KV while the others have some to give."""
+    members = [parked(f"in{i}", parked_s=0.1 * i, p50=p50_in) for i in range(3)]  # parked first
+    others = [parked(f"out{i}", parked_s=0.9, p50=p50_out) for i in range(2)]
+    v = view(members + others, free=10, wanted=25, host=0, disk=0)  # 15 blocks to free: both others
+    acts = make_policy(name).decide(v._replace(members=frozenset(m.session_id for m in members)))
+    assert {a.session_id for a in acts} == {"out0", "out1"}, acts
+    assert {a.session_id for a in make_policy(name).decide(v)} & {"in0", "in1", "in2"}  # without the door: not so
+
+
 def test_predictive_does_not_move_a_session_others_read_without_pressure() -> None:
     pol = make_policy("predictive")
     acts = pol.decide(view([parked("read", p50=100.0, shared=10), parked("alone", p50=100.0)], free=40))
@@ -190,8 +205,10 @@ def _views(draw):
     now = max(s.parked_s for s in sessions) + draw(st.floats(0.0, 60.0))
     total = draw(st.integers(50, 400))
     free = draw(st.integers(0, total))
+    # No admission door, or one whose working set holds some of the parked sessions.
+    members = draw(st.sampled_from([None, None, frozenset(), frozenset(s.session_id for s in sessions[::2])]))
     return ResidencyView(now, tuple(sessions), total, free, draw(st.sampled_from([0, 0, 5, 80])),
-                         draw(st.integers(0, 200)), draw(st.integers(0, 200)), COSTS)
+                         draw(st.integers(0, 200)), draw(st.integers(0, 200)), COSTS, members=members)
 
 
 @pytest.mark.parametrize("name,indexed", [(n, False) for n in sorted(POLICIES)] + [("predictive", True)])
