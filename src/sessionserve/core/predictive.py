@@ -248,9 +248,9 @@ class PredictivePolicy:
         pressure (queued work lacks blocks, or free blocks are below the watermark) sessions on device
         leave, those outside the admission door's working set first, then farthest next use first, to host
         when the round trip beats the wait, else to disk when a restore beats recomputing, else host if it
-        fits, else they are dropped; without pressure only
-        long ones leave, to host, and only on a device more than `demote_above_usage` used. Then due
-        sessions come back, soonest first, into the room above the watermark."""
+        fits, else they are dropped; without pressure only long ones leave, to host, and only on a device
+        more than `demote_above_usage` used. Then due sessions come back, soonest first, into the room above
+        the watermark."""
         if self.indexed:
             return self._decide_indexed(view)
         c, now = view.costs, view.now_s
