@@ -78,17 +78,22 @@ def test_a_returning_turn_of_an_admitted_session_does_not_wait(tiny_llama: Path)
     assert first
 
 
-def test_an_idle_engine_lends_a_turn_to_a_waiting_session_without_giving_it_a_place(tiny_llama: Path) -> None:
-    def run(eng: LLMEngine, sid: str, token_ids: list[int]) -> tuple[list[int], bool]:
-        rid = eng.add_request(token_ids, GREEDY, session_id=sid)
-        held = eng.core.door is not None and eng.core.door.is_holding(sid)
-        out: list[int] = []
-        while eng.has_unfinished():
-            out += [t for o in eng.step() if o.request_id == rid and o.finished for t in o.token_ids]
-            eng.kv.check_integrity()
-        eng.park(sid, tools=("tool",), expected_wait_s=10.0)  # back within 30 s: keeps a place if it has one
-        return out, held
+def run(eng: LLMEngine, sid: str, token_ids: list[int]) -> tuple[list[int], bool]:
+    """One turn of `sid`, to its end; then the session parks. Returns its tokens and whether it waited at the
+    door."""
+    rid = eng.add_request(token_ids, GREEDY, session_id=sid)
+    held = eng.core.door is not None and eng.core.door.is_holding(sid)
+    out: list[int] = []
+    deadline = time.monotonic() + 30
+    while eng.has_unfinished():
+        assert time.monotonic() < deadline, "the turn never ran"
+        out += [t for o in eng.step() if o.request_id == rid and o.finished for t in o.token_ids]
+        eng.kv.check_integrity()
+    eng.park(sid, tools=("tool",), expected_wait_s=10.0)  # back within 30 s: keeps a place if it has one
+    return out, held
 
+
+def test_an_idle_engine_lends_a_turn_to_a_waiting_session_without_giving_it_a_place(tiny_llama: Path) -> None:
     firsts, nexts = prompts(7, 2, 300), prompts(8, 2, 20)  # ~20 blocks each, 64 in the device KV
     outputs: dict[str, list[list[int]]] = {}
     for admission in ("off", "working-set"):
@@ -117,6 +122,33 @@ def test_an_idle_engine_lends_a_turn_to_a_waiting_session_without_giving_it_a_pl
         assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
         eng.close()
     assert outputs["working-set"] == outputs["off"]  # when a turn runs changes, never what it computes
+
+
+def test_a_loan_takes_the_kv_of_sessions_without_a_place_never_an_admitted_ones(tiny_llama: Path) -> None:
+    firsts, longer = prompts(7, 3, 300), prompts(8, 1, 100)  # ~20 blocks each, 64 in the device KV
+    outputs: dict[str, list[list[int]]] = {}
+    for admission in ("off", "working-set"):
+        eng = engine(tiny_llama, admission)
+        door = eng.core.door
+        if door is not None:
+            door.typical_blocks = 40  # each admitted session reserves 40 blocks: one fits
+        a, b, c = eng.open_session(), eng.open_session(), eng.open_session()
+        outputs[admission] = [run(eng, sid, firsts[i])[0] for i, sid in enumerate((a, b, c))]
+        # b and c ran on loan and parked their KV: 4 blocks are left free, and b's next turn needs 26 (its 20
+        # and 6 more). It goes in on loan all the same: c's KV, without a place, is what makes room.
+        out, held = run(eng, b, longer[0])
+        outputs[admission].append(out)
+        sessions = eng.core.sessions
+        if door is not None:
+            assert held and door.num_lent == 3 and list(door.admitted) == [a]
+            assert sessions.get(c).residency.value == "none"  # c's KV made room
+            assert sessions.get(a).residency.value == "device"  # the admitted session's stayed
+        outputs[admission].append(run(eng, c, longer[0][:10])[0])  # c recomputes; what it computes is the same
+        for sid in (a, b, c):
+            eng.close_session(sid)
+        assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+        eng.close()
+    assert outputs["working-set"] == outputs["off"]
 
 
 def measured(eng: LLMEngine, wait_s: float, prefill_s_per_token: float) -> None:

@@ -14,7 +14,8 @@ and rarely says so); its next turn, if one comes, is a new arrival.
 
 The admitted sessions' tool waits often overlap: then nothing runs while turns
 wait at the door. Such an idle engine lends its time: the first waiting turn
-whose context fits the KV blocks nobody holds runs on loan (`lend`). It takes
+whose context fits the KV blocks nobody holds, or only sessions without a
+place hold (its own among them), runs on loan (`lend`). It takes
 no place in the working set (its session's next turn waits at the door again,
 in its place in line), and its session's KV is the first to leave when memory
 is short (the residency view's `members`), so the admitted sessions keep their
@@ -74,8 +75,10 @@ class AdmissionView(NamedTuple):
     # The context a session reaches before it leaves the working set, as measured on the sessions that
     # left it (0: none yet). A session admitted small grows to about that: it is reserved from the start.
     typical_blocks: int = 0
-    # KV blocks nobody holds now (free or only cached), where the engine has nothing to run; 0 otherwise.
-    idle_free_blocks: int = 0
+    # Where the engine has nothing to run, the KV blocks a loan may take: those nobody holds (free or only
+    # cached) and those the residency policy frees first, the parked KV of sessions without a place (the
+    # waiting turns' own among them); 0 otherwise.
+    loanable_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,13 +117,13 @@ class WorkingSetAdmission:
         return tuple(admitted)
 
     def lend(self, view: AdmissionView) -> str | None:
-        """The candidate to run one turn on loan while the engine idles (`view.idle_free_blocks`): the first,
-        in order, whose context fits the blocks nobody holds (its own size now, not what it may grow to: the
-        loan is for this turn), if nothing runs. A loan takes no place, so one behind a larger turn may have
-        it: the larger keeps its place for admission. Ask only when `admit` lets no one in."""
-        if view.num_running or not view.idle_free_blocks:
+        """The candidate to run one turn on loan while the engine idles (`view.loanable_blocks`): the first,
+        in order, whose context fits them (its own size now, not what it may grow to: the loan is for this
+        turn), if nothing runs. A loan takes no place, so one behind a larger turn may have it: the larger
+        keeps its place for admission. Ask only when `admit` lets no one in."""
+        if view.num_running or not view.loanable_blocks:
             return None
-        return next((c.request_id for c in view.candidates if c.num_blocks <= view.idle_free_blocks), None)
+        return next((c.request_id for c in view.candidates if c.num_blocks <= view.loanable_blocks), None)
 
 
 def door_pays(recompute_s_per_token: float | None, context_tokens: float, wait_s: float | None) -> bool:
@@ -275,10 +278,11 @@ class AdmissionDoor:
         return max(1.0, min(left)) if left else 30.0
 
     def release(self, now_s: float, running: list[Sequence], sessions: SessionManager | None,
-                order: Callable[[Sequence], object], idle_free_blocks: int = 0) -> list[HeldTurn]:
+                order: Callable[[Sequence], object], loanable_blocks: int = 0) -> list[HeldTurn]:
         """The held turns the policy lets in now, in the scheduler's `order`; the engine starts them.
-        `idle_free_blocks`: the KV blocks nobody holds, when the engine has nothing to run (0: it has); then,
-        if the policy admits no one, one turn may go in on loan (`WorkingSetAdmission.lend`)."""
+        `loanable_blocks`: the KV blocks a loan may take, when the engine has nothing to run (0: it has; see
+        `AdmissionView`); then, if the policy admits no one, one turn may go in on loan
+        (`WorkingSetAdmission.lend`)."""
         if not self.held:
             return []
         members = self._members(now_s, running, sessions)
@@ -288,7 +292,7 @@ class AdmissionDoor:
         lent: str | None = None
         if self.enforcing:
             view = AdmissionView(tuple(members), candidates, len(running), round(self.typical_blocks),
-                                 idle_free_blocks)
+                                 loanable_blocks)
             let_in = set(self.policy.admit(view))
             if not let_in and (lent := self.policy.lend(view)) is not None:
                 let_in = {lent}

@@ -298,9 +298,12 @@ class EngineCore:
     def _let_in(self, now: float) -> None:
         """Start the turns the admission door lets in now."""
         assert self.door is not None
-        idle_free = self.kv.num_free_blocks if not self.scheduler.num_unfinished else 0
+        # Room for a loan while nothing runs: the free blocks and those the parked outsiders' KV would free
+        # (the waiting turn's own session's among them): the residency policy takes theirs first.
+        loanable = 0 if self.scheduler.num_unfinished else \
+            self.kv.num_free_blocks + (self.sessions.num_outside_blocks() if self.sessions is not None else 0)
         for held in self.door.release(now, self.scheduler.running, self.sessions, self.scheduler.order(now),
-                                      idle_free):
+                                      loanable):
             session = self.sessions.get(held.session_id) if self.sessions and held.session_id else None
             self._start(held.seq, session, held.num_new_tokens, now)
 

@@ -58,7 +58,7 @@ class ParkedEntries:
             if s is not None and s.state is SessionState.PARKED and s.residency is not Residency.NONE:
                 entry = ParkedSession(
                     sid, s.residency, self.kv.blocks_needed(s.num_computed_tokens), s.num_computed_tokens,
-                    s.parked_s if s.parked_s is not None else now_s, self._predict(s), self._num_shared_blocks(s))
+                    s.parked_s if s.parked_s is not None else now_s, self._predict(s), self.num_shared_blocks(s))
                 if entries.get(sid) != entry:  # an unchanged entry stays the same object
                     entries[sid] = entry
                     changed.append(entry)
@@ -101,7 +101,7 @@ class ParkedEntries:
             p = self._prediction_refs[key] = self.predictor.predict(*key)
         return p
 
-    def _num_shared_blocks(self, session: Session) -> int:
+    def num_shared_blocks(self, session: Session) -> int:
         """Device blocks of the session that other sequences hold too. Sharing comes from prefix hits and
         forks, so it is a prefix of the table: the leading run is counted, at the time of the view."""
         table = self.kv.block_tables.get(session.kv_key) if session.residency is Residency.DEVICE else None

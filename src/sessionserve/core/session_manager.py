@@ -380,6 +380,16 @@ class SessionManager:
             counts[key] = counts.get(key, 0) + 1
         return counts
 
+    def num_outside_blocks(self) -> int:
+        """Device blocks that the parked KV of sessions outside the admission door's working set (`members`)
+        would free: under pressure every residency policy takes theirs first. 0 while the door holds no one."""
+        members = self.members
+        if members is None:
+            return 0
+        return sum(self._num_blocks(s) - self._entries.num_shared_blocks(s) for s in self.sessions.values()
+                   if s.state is SessionState.PARKED and s.residency is Residency.DEVICE
+                   and s.session_id not in members)
+
     # -- internals ----------------------------------------------------------------------------
 
     def _num_blocks(self, session: Session) -> int:

@@ -38,14 +38,14 @@ def test_a_session_larger_than_the_budget_still_runs_when_nothing_else_does() ->
 def test_an_idle_engine_lends_its_time_to_the_first_waiting_turn_that_fits_the_free_blocks() -> None:
     parked = Member("a", 30, 1.0, 1.0)  # parked, back soon: keeps its place, reserved at the typical 60 blocks
     cands = (Candidate("r1", "b", 40), Candidate("r2", "c", 10))
-    idle = AdmissionView((parked,), cands, 0, typical_blocks=60, idle_free_blocks=45)
+    idle = AdmissionView((parked,), cands, 0, typical_blocks=60, loanable_blocks=45)
     assert POLICY.admit(idle) == ()  # 60 + 60 > 100: b waits for the working set
     assert POLICY.lend(idle) == "r1"  # but nothing runs and its 40 blocks are free now
     # b's 40 blocks do not fit: c's 10 go in on loan before it (b keeps its place for admission)
-    assert POLICY.lend(idle._replace(idle_free_blocks=39)) == "r2"
-    assert POLICY.lend(idle._replace(idle_free_blocks=9)) is None  # neither fits
+    assert POLICY.lend(idle._replace(loanable_blocks=39)) == "r2"
+    assert POLICY.lend(idle._replace(loanable_blocks=9)) is None  # neither fits
     assert POLICY.lend(idle._replace(num_running=1)) is None  # something runs: no loan
-    assert POLICY.lend(idle._replace(idle_free_blocks=0)) is None  # the engine has work (or no block is free)
+    assert POLICY.lend(idle._replace(loanable_blocks=0)) is None  # the engine has work (or no block is free)
     assert POLICY.lend(idle._replace(candidates=())) is None
 
 
