@@ -78,6 +78,15 @@ def test_a_returning_turn_of_an_admitted_session_does_not_wait(tiny_llama: Path)
     assert first
 
 
+def engine_reserving(path: Path, admission: str, typical_blocks: int) -> LLMEngine:
+    """An engine whose door, if any, acts as if sessions that left had grown to `typical_blocks`: each admitted
+    session reserves that many."""
+    eng = engine(path, admission)
+    if eng.core.door is not None:
+        eng.core.door.typical_blocks = typical_blocks
+    return eng
+
+
 def run(eng: LLMEngine, sid: str, token_ids: list[int]) -> tuple[list[int], bool]:
     """One turn of `sid`, to its end; then the session parks. Returns its tokens and whether it waited at the
     door."""
@@ -97,10 +106,8 @@ def test_an_idle_engine_lends_a_turn_to_a_waiting_session_without_giving_it_a_pl
     firsts, nexts = prompts(7, 2, 300), prompts(8, 2, 20)  # ~20 blocks each, 64 in the device KV
     outputs: dict[str, list[list[int]]] = {}
     for admission in ("off", "working-set"):
-        eng = engine(tiny_llama, admission)
+        eng = engine_reserving(tiny_llama, admission, 40)
         door = eng.core.door
-        if door is not None:
-            door.typical_blocks = 40  # as if sessions that left had grown to 40 blocks: each reserves that
         a, b = eng.open_session(), eng.open_session()
         outputs[admission] = [run(eng, a, firsts[0])[0]]
         out, held = run(eng, b, firsts[1])  # 40 + 40 > 64: b waits for a place, but nothing runs
@@ -128,10 +135,8 @@ def test_a_loan_takes_the_kv_of_sessions_without_a_place_never_an_admitted_ones(
     firsts, longer = prompts(7, 3, 300), prompts(8, 1, 100)  # ~20 blocks each, 64 in the device KV
     outputs: dict[str, list[list[int]]] = {}
     for admission in ("off", "working-set"):
-        eng = engine(tiny_llama, admission)
+        eng = engine_reserving(tiny_llama, admission, 40)
         door = eng.core.door
-        if door is not None:
-            door.typical_blocks = 40  # each admitted session reserves 40 blocks: one fits
         a, b, c = eng.open_session(), eng.open_session(), eng.open_session()
         outputs[admission] = [run(eng, sid, firsts[i])[0] for i, sid in enumerate((a, b, c))]
         # b and c ran on loan and parked their KV: 4 blocks are left free, and b's next turn needs 26 (its 20
